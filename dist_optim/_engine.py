@@ -1,0 +1,190 @@
+"""The in-backward engine: one post-accumulate-grad hook per parameter, buckets, end-of-backward flush.
+
+Buckets are learned online, in the order gradients arrive: a parameter with no bucket yet joins the open bucket,
+which is stepped and frozen as soon as it holds ``cap_bytes`` of gradients. Frozen buckets step when their last
+gradient arrives; whatever is left when backward ends is stepped by a callback queued on the autograd engine.
+Hooks hold the engine weakly, so a dropped optimizer never keeps a model alive through its parameters.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+if TYPE_CHECKING:
+    from dist_optim.optimizer import InBackwardOptimizer
+
+__all__: list[str] = []
+
+_task_id: Callable[[], int] = torch._C._current_graph_task_id
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+def unwrapped_step(optimizer_class: type[torch.optim.Optimizer]) -> Callable[..., Any]:
+    """``optimizer_class.step`` without torch's profiling wrapper, whose global step hooks must fire once per
+    training step with the facade as argument, never once per bucket with an inner optimizer."""
+    step = optimizer_class.step
+    if getattr(step, "hooked", False):
+        return step.__wrapped__  # type: ignore[attr-defined]
+    return step
+
+
+class _Bucket:
+    __slots__ = ("indices", "params", "size", "arrived", "steppers")
+
+    def __init__(self, indices: list[int], params: list[torch.Tensor]) -> None:
+        self.indices = indices
+        self.params = params
+        self.size = len(params)
+        self.arrived = 0
+        # (unwrapped step, inner optimizer, [(inner group, facade group, overrides)]) per optimizer class
+        self.steppers: list[tuple[Callable[..., Any], torch.optim.Optimizer, list[tuple[dict, dict, dict]]]] = []
+
+
+class Engine:
+    """Per-parameter hooks and buckets for one :class:`~dist_optim.InBackwardOptimizer`."""
+
+    def __init__(self, owner: InBackwardOptimizer, cap_bytes: int, per_parameter: bool) -> None:
+        self.owner = owner
+        self.cap_bytes = cap_bytes
+        self.per_parameter = per_parameter
+        self.params: list[torch.Tensor] = []
+        self.group_of: list[int] = []
+        self.bucket_of: list[_Bucket | None] = []
+        self.seen: list[int] = []
+        self.buckets: list[_Bucket] = []
+        self.handles: list[RemovableHandle] = []
+        self.open: list[int] = []
+        self.open_bytes = 0
+        self.task = -1
+        self.iterations = 0
+
+    # -- registration -------------------------------------------------------------------------------------------
+    def add_params(self, group_index: int, params: list[torch.Tensor]) -> None:
+        ref = weakref.ref(self)
+        for p in params:
+            i = len(self.params)
+            self.params.append(p)
+            self.group_of.append(group_index)
+            self.bucket_of.append(None)
+            self.seen.append(-1)
+            self.handles.append(p.register_post_accumulate_grad_hook(_make_hook(ref, i)))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def rebind(self) -> None:
+        """Rebuild every bucket's inner optimizers after the owner's groups or state were replaced."""
+        for b in self.buckets:
+            self._build_steppers(b)
+
+    # -- the hot path -------------------------------------------------------------------------------------------
+    def grad_ready(self, i: int) -> None:
+        tid = _task_id()
+        if tid != self.task:
+            self._begin(tid)
+        if self.seen[i] == tid:
+            raise RuntimeError(
+                f"the gradient of parameter {self.owner.param_name(self.params[i])} arrived twice in one backward "
+                "(reentrant activation checkpointing does this); use "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+            )
+        self.seen[i] = tid
+        b = self.bucket_of[i]
+        if b is None:
+            self._learn(i)
+            return
+        b.arrived += 1
+        if b.arrived == b.size:
+            self.step_bucket(b)
+
+    def _begin(self, tid: int) -> None:
+        if self.task != -1 and (self.open or any(b.arrived for b in self.buckets)):
+            # The previous backward raised before its end-of-backward callback: forget its partial buckets.
+            for b in self.buckets:
+                b.arrived = 0
+            self.open.clear()
+            self.open_bytes = 0
+        self.task = tid
+        self.iterations += 1
+        _queue_callback(self._end_of_backward)
+        self.owner._begin_training_step()
+
+    def _learn(self, i: int) -> None:
+        self.open.append(i)
+        p = self.params[i]
+        self.open_bytes += p.numel() * p.element_size()
+        if self.per_parameter or self.open_bytes >= self.cap_bytes:
+            self._close_open_bucket()
+
+    def _close_open_bucket(self) -> None:
+        b = _Bucket(self.open, [self.params[i] for i in self.open])
+        for i in self.open:
+            self.bucket_of[i] = b
+        b.arrived = b.size
+        self.open = []
+        self.open_bytes = 0
+        self._build_steppers(b)
+        self.buckets.append(b)
+        self.step_bucket(b)
+
+    def step_bucket(self, b: _Bucket) -> None:
+        try:
+            for step, inner, pairs in b.steppers:
+                for inner_group, group, overrides in pairs:
+                    inner_group.update(group)
+                    inner_group.update(overrides)
+                step(inner)
+        finally:
+            b.arrived = 0
+        for p in b.params:
+            p.grad = None
+
+    def _end_of_backward(self) -> None:
+        if self.open:
+            self._close_open_bucket()
+        for b in self.buckets:
+            if b.arrived:
+                self.step_bucket(b)
+        self.owner._end_training_step()
+
+    # -- inner optimizers ---------------------------------------------------------------------------------------
+    def _build_steppers(self, b: _Bucket) -> None:
+        owner = self.owner
+        by_group: dict[int, list[torch.Tensor]] = {}
+        for i in b.indices:
+            by_group.setdefault(self.group_of[i], []).append(self.params[i])
+        by_class: dict[type, list[int]] = {}
+        for gi in by_group:
+            by_class.setdefault(owner._group_classes[gi], []).append(gi)
+        b.steppers = []
+        for cls, gis in by_class.items():
+            inner_groups = [
+                {**_hyper(owner.param_groups[gi]), "params": by_group[gi], **owner._overrides[gi]} for gi in gis
+            ]
+            inner = cls(inner_groups, **owner._kwargs_for(cls))
+            inner.state = owner.state
+            pairs = [
+                (ig, owner.param_groups[gi], {"params": ig["params"], **owner._overrides[gi]})
+                for ig, gi in zip(inner.param_groups, gis)
+            ]
+            b.steppers.append((unwrapped_step(cls), inner, pairs))
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def _make_hook(ref: weakref.ref[Engine], i: int) -> Callable[[torch.Tensor], None]:
+    def hook(_param: torch.Tensor) -> None:
+        engine = ref()
+        if engine is not None:
+            engine.grad_ready(i)
+
+    return hook

@@ -1,0 +1,367 @@
+"""``InBackwardOptimizer``: a real ``torch.optim.Optimizer`` whose step runs inside ``backward()``.
+
+Its ``param_groups`` and ``state`` are the live ones: LR schedulers, ``state_dict()``/``load_state_dict()`` and step
+hooks work as with the wrapped optimizer, while the update itself is done bucket by bucket by the engine as soon as
+the gradients of a bucket are ready, and those gradients are freed at once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import weakref
+from collections.abc import Iterable
+from itertools import chain
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from dist_optim._engine import Engine, unwrapped_step
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_CAP_MB = 16.0
+
+# param -> weakref to whatever steps it in backward; the value never refers to its key, so nothing is kept alive.
+_OWNERS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def claim(params: Iterable[torch.Tensor], owner: object, describe: Callable[[torch.Tensor], str]) -> None:
+    """Record ``owner`` as the one that steps ``params`` in backward; refuse a parameter another owner holds."""
+    params = list(params)
+    for p in params:
+        ref = _OWNERS.get(p)
+        other = ref() if ref is not None else None
+        if other is not None and other is not owner and getattr(other, "_hooks_active", True):
+            raise ValueError(
+                f"parameter {describe(p)} is already stepped in backward by {type(other).__name__} at "
+                f"{hex(id(other))}; a gradient can be consumed only once. Put it in one optimizer (param groups "
+                "may carry their own 'optimizer_class'), or call .remove() on the other one first"
+            )
+    for p in params:
+        _OWNERS[p] = weakref.ref(owner)
+
+
+def release(params: Iterable[torch.Tensor], owner: object) -> None:
+    for p in params:
+        ref = _OWNERS.get(p)
+        if ref is not None and ref() is owner:
+            del _OWNERS[p]
+
+
+def check_optimizer_class(optimizer_class: Any) -> None:
+    if isinstance(optimizer_class, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer_class must be an optimizer class, got an instance of {type(optimizer_class).__name__}; "
+            f"pass the class and its options, e.g. InBackwardOptimizer(params, torch.optim."
+            f"{type(optimizer_class).__name__}, lr=...)"
+        )
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(
+            f"optimizer_class must be a subclass of torch.optim.Optimizer, got {optimizer_class!r}; "
+            "pass a class such as torch.optim.AdamW"
+        )
+    closure = inspect.signature(optimizer_class.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(
+            f"{optimizer_class.__name__} needs a closure that re-evaluates the loss, which cannot run inside "
+            "backward; use it with a standard training loop"
+        )
+
+
+def check_tensor(p: Any, name: str) -> None:
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"optimizer can only optimize Tensors, but {name} is a {torch.typename(p)}")
+    if not p.is_leaf:
+        raise ValueError(
+            f"can't optimize a non-leaf Tensor ({name}); pass leaf tensors such as nn.Parameter, or call "
+            ".detach().requires_grad_() on it"
+        )
+    if not p.requires_grad:
+        raise ValueError(
+            f"{name} does not require grad, so its step would never fire in backward; leave frozen tensors out "
+            "(e.g. [p for p in model.parameters() if p.requires_grad]) or pass the nn.Module, which skips them"
+        )
+
+
+def _module_params(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(module, nn.parallel.DistributedDataParallel) or _is_fsdp(module):
+        raise NotImplementedError(
+            f"{type(module).__name__} models are not supported by this version of dist_optim: stepping in "
+            "backward there needs the reduced gradient. Use a standard optimizer with this wrapper for now"
+        )
+    named = []
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            named.append((name, p))
+        else:
+            logger.debug("skipping frozen parameter %s", name)
+    if not named:
+        raise ValueError(f"{type(module).__name__} has no parameter that requires grad")
+    return named
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # torch built without distributed
+        return False
+    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in module.modules())
+
+
+def check_single_process(allow_local_steps: bool) -> None:
+    dist = torch.distributed
+    if allow_local_steps or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    raise RuntimeError(
+        f"a process group with {dist.get_world_size()} ranks is initialised, but these parameters are not "
+        "wrapped for data parallelism, so each rank would step on its own local, un-reduced gradient and the "
+        "replicas would drift apart. Pass allow_local_steps=True if local steps are what you want (local SGD)"
+    )
+
+
+class InBackwardOptimizer(torch.optim.Optimizer):
+    r"""Run ``optimizer_class``'s step inside ``backward()``, bucket by bucket, and free each gradient at once.
+
+    Each parameter's gradient, once accumulated, joins a bucket; when the last gradient of a bucket arrives, the
+    bucket is stepped with one call of the wrapped optimizer (its ``fused`` kernel where torch has one for these
+    parameters, else ``foreach``, unless you chose one) and its gradients are set to ``None``. Gradients that
+    never arrive are not stepped; a partial bucket is stepped when backward ends. The result equals the standard
+    loop ``loss.backward(); opt.step(); opt.zero_grad()`` with the same optimizer and implementation.
+
+    Args:
+        params: what ``torch.optim`` accepts (tensors, ``named_parameters()``, param-group dicts) or an
+            ``nn.Module``, whose frozen parameters are skipped. A group may carry its own ``"optimizer_class"``;
+            such a group takes its options from the group dict and that class's defaults, not from
+            ``optimizer_kwargs``.
+        optimizer_class: a ``torch.optim.Optimizer`` subclass (not an instance), e.g. ``torch.optim.AdamW``.
+        bucket_cap_mb: gradient bytes, in MiB, that a bucket holds at most before it is stepped (a single larger
+            tensor forms a bucket of its own). Default: 16.
+        per_parameter: step each parameter on its own as soon as its gradient is ready (least memory, slowest).
+        allow_local_steps: in a multi-rank job, step plain tensors on their local, un-reduced gradients (local
+            SGD). Without it such a job is refused.
+        **optimizer_kwargs: options of ``optimizer_class`` (``lr``, ``weight_decay``, ...), checked by
+            ``optimizer_class`` itself at construction.
+
+    Raises:
+        TypeError: ``optimizer_class`` is not an optimizer class, or ``optimizer_kwargs`` has an unknown option.
+        ValueError: a tensor is not a leaf, does not require grad, or is given twice; the optimizer needs a
+            closure (LBFGS); ``bucket_cap_mb`` is not positive.
+        RuntimeError: a multi-rank process group is initialised and ``allow_local_steps`` is not set.
+
+    Example:
+        >>> import torch, dist_optim
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = dist_optim.InBackwardOptimizer(model.named_parameters(), torch.optim.AdamW, lr=1e-2)
+        >>> before = model.weight.detach().clone()
+        >>> model(torch.randn(8, 4)).square().mean().backward()  # steps every parameter
+        >>> bool((model.weight != before).any()), model.weight.grad is None
+        (True, True)
+        >>> sorted(opt.state_dict()["state"][0])
+        ['exp_avg', 'exp_avg_sq', 'step']
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        optimizer_class: type[torch.optim.Optimizer],
+        *,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        per_parameter: bool = False,
+        allow_local_steps: bool = False,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        check_optimizer_class(optimizer_class)
+        if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        if isinstance(params, nn.Module):
+            params = _module_params(params)
+        check_single_process(allow_local_steps)
+        if isinstance(params, torch.Tensor):
+            raise TypeError(
+                "params must be an iterable of Tensors, (name, Tensor) pairs or dicts, or an nn.Module, got a "
+                "Tensor; wrap it in a list"
+            )
+        groups = list(params)
+        if not groups:
+            raise ValueError("InBackwardOptimizer got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        self._optimizer_class = optimizer_class
+        self._optimizer_kwargs = dict(optimizer_kwargs)
+        self._group_classes: list[type[torch.optim.Optimizer]] = []
+        self._overrides: list[dict[str, Any]] = []
+        self._finishing = False
+        self._hooks_active = True
+        self._engine = Engine(self, int(bucket_cap_mb * 2**20), per_parameter)
+        defaults = self._probe_defaults(groups)
+        super().__init__(groups, defaults)
+
+    def _probe_defaults(self, groups: list[dict[str, Any]]) -> dict[str, Any]:
+        first = next((p for g in groups for p in _as_list(g.get("params", []))), None)
+        if isinstance(first, tuple):
+            first = first[1]
+        like = first if isinstance(first, torch.Tensor) else torch.empty(0)
+        dummy = torch.zeros(1, 1, dtype=like.dtype, device=like.device, requires_grad=True)
+        return dict(self._optimizer_class([dummy], **self._optimizer_kwargs).defaults)
+
+    def _kwargs_for(self, cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
+        return self._optimizer_kwargs if cls is self._optimizer_class else {}
+
+    # -- groups -------------------------------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group; its parameters are stepped in backward from the next backward on.
+
+        Args:
+            param_group: as for ``torch.optim.Optimizer.add_param_group``; may carry ``"optimizer_class"``.
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        group = dict(param_group)
+        cls = group.pop("optimizer_class", self._optimizer_class)
+        check_optimizer_class(cls)
+        entries = _as_list(group.get("params", []))
+        if not entries:
+            raise ValueError(f"param group {len(self.param_groups)} has no parameters")
+        known = {id(p) for g in self.param_groups for p in g["params"]}
+        for k, entry in enumerate(entries):
+            name, p = entry if isinstance(entry, tuple) else (f"param_groups[{len(self.param_groups)}][{k}]", entry)
+            check_tensor(p, name)
+            if id(p) in known:
+                raise ValueError(f"{name} appears in more than one place; each parameter may be given only once")
+            known.add(id(p))
+        group["params"] = entries
+        # The class fills its own defaults and checks its options (and the tensors) now, not at the first backward.
+        filled = cls([group], **self._kwargs_for(cls)).param_groups[0]
+        claim(filled["params"], self, self.param_name)
+        self.param_groups.append(filled)
+        self._group_classes.append(cls)
+        self._overrides.append(_implementation(cls, filled, self._kwargs_for(cls)))
+        self._engine.add_params(len(self.param_groups) - 1, filled["params"])
+
+    def param_name(self, p: torch.Tensor) -> str:
+        """The name of ``p`` in this optimizer (its ``param_names`` entry, else ``param_groups[g][k]``)."""
+        for gi, group in enumerate(self.param_groups):
+            for k, q in enumerate(group["params"]):
+                if q is p:
+                    names = group.get("param_names")
+                    return names[k] if names else f"param_groups[{gi}][{k}]"
+        return "<unknown>"
+
+    # -- the training step --------------------------------------------------------------------------------------
+    def _begin_training_step(self) -> None:
+        for hook in chain(_global_optimizer_pre_hooks.values(), self._optimizer_step_pre_hooks.values()):
+            hook(self, (), {})
+
+    def _end_training_step(self) -> None:
+        # Through the public step(), so that wrappers installed on it (LR schedulers) see the step happen.
+        self._finishing = True
+        try:
+            self.step()
+        finally:
+            self._finishing = False
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Finish a training step; the update itself already ran inside ``backward()``.
+
+        Kept so that an existing loop works unchanged: after an in-backward step there is nothing left to do and
+        nothing happens. Gradients that are present but were not consumed in backward (set by hand, or after
+        :meth:`remove`) are stepped here exactly like the wrapped optimizer would, with step hooks.
+
+        Args:
+            closure: optional; called with grad enabled, and its ``backward()`` steps in the usual way.
+
+        Returns:
+            The closure's result, or ``None``.
+        """
+        if self._finishing:
+            self._run_post_hooks()
+            return None
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if any(p.grad is not None for g in self.param_groups for p in g["params"]):
+            self._begin_training_step()
+            self._step_standard()
+            self._run_post_hooks()
+        return loss
+
+    step.hooked = True  # type: ignore[attr-defined]  # we fire step hooks ourselves, once per training step
+
+    def _run_post_hooks(self) -> None:
+        for hook in chain(self._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()):
+            hook(self, (), {})
+
+    def _step_standard(self) -> None:
+        """One standard step over the current groups and state (both may be swapped in from outside)."""
+        for cls in dict.fromkeys(self._group_classes):
+            groups = [
+                {**g, "params": list(g["params"]), **self._overrides[gi]}
+                for gi, g in enumerate(self.param_groups)
+                if self._group_classes[gi] is cls
+            ]
+            groups = [g for g in groups if g["params"]]
+            inner = cls(groups, **self._kwargs_for(cls))
+            inner.state = self.state
+            unwrapped_step(cls)(inner)
+
+    # -- state --------------------------------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict written by this class or by ``optimizer_class`` itself (same format)."""
+        super().load_state_dict(state_dict)
+        self._overrides = [
+            _implementation(cls, g, self._kwargs_for(cls)) for cls, g in zip(self._group_classes, self.param_groups)
+        ]
+        self._engine.rebind()
+
+    def remove(self) -> None:
+        """Detach every hook. The model then trains with a standard optimizer again, and this object behaves as
+        one: :meth:`step` steps whatever gradients are present."""
+        self._engine.remove()
+        self._hooks_active = False
+        release((p for g in self.param_groups for p in g["params"]), self)
+
+
+def _as_list(params: Any) -> list[Any]:
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if isinstance(params, set):
+        raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
+                        "tensors in sets will change between runs. Please use a list instead.")
+    return list(params)
+
+
+def _implementation(cls: type[torch.optim.Optimizer], group: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Pick ``fused`` (else ``foreach``) for a group whose user left both unset, if it runs on these tensors."""
+    if group.get("fused") is not None or group.get("foreach") is not None or group.get("differentiable"):
+        return {}
+    for flag in ("fused", "foreach"):
+        if flag in group and _runs(cls, group, kwargs, flag):
+            return {flag: True}
+    return {}
+
+
+def _runs(cls: type[torch.optim.Optimizer], group: dict[str, Any], kwargs: dict[str, Any], flag: str) -> bool:
+    """Whether ``cls`` steps with ``flag=True`` on tiny tensors like this group's (some refuse only at step)."""
+    probes = []
+    seen = set()
+    for p in group["params"]:
+        key = (p.dtype, p.device, p.ndim, type(p))
+        if key not in seen:
+            seen.add(key)
+            probe = torch.zeros([1] * p.ndim, dtype=p.dtype, device=p.device, requires_grad=True)
+            probe.grad = torch.zeros_like(probe)
+            probes.append(probe)
+    hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+    try:
+        opt = cls([{**hyper, "params": probes, flag: True}], **kwargs)
+        unwrapped_step(cls)(opt)
+    except (RuntimeError, ValueError, TypeError, NotImplementedError):
+        return False
+    return True
