@@ -8,17 +8,52 @@ Hooks hold the engine weakly, so a dropped optimizer never keeps a model alive t
 
 from __future__ import annotations
 
+import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakTensorKeyDictionary
 
 if TYPE_CHECKING:
     from dist_optim.optimizer import InBackwardOptimizer
 
 __all__: list[str] = []
+
+# param -> (weakref to what steps it in backward, its hook's handle). The value never refers to its key (a handle
+# holds its hooks dict weakly), so the map keeps nothing alive.
+_OWNERS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def check_unowned(params: Iterable[torch.Tensor], owner: object, describe: Callable[[torch.Tensor], str]) -> None:
+    """Refuse a parameter that another live owner steps in backward; detach the hooks of dead owners."""
+    for p in params:
+        entry = _OWNERS.get(p)
+        if entry is None:
+            continue
+        other = entry[0]()
+        if other is None:
+            entry[1].remove()
+            del _OWNERS[p]
+        elif other is not owner:
+            raise ValueError(
+                f"parameter {describe(p)} is already stepped in backward by {type(other).__name__} at "
+                f"{hex(id(other))}; a gradient can be consumed only once. Put it in one optimizer (param groups "
+                "may carry their own 'optimizer_class'), or call .remove() on the other one first"
+            )
+
+
+def record_owner(p: torch.Tensor, owner: object, handle: RemovableHandle) -> None:
+    _OWNERS[p] = (weakref.ref(owner), handle)
+
+
+def release(params: Iterable[torch.Tensor], owner: object) -> None:
+    for p in params:
+        entry = _OWNERS.get(p)
+        if entry is not None and entry[0]() is owner:
+            del _OWNERS[p]
 
 _task_id: Callable[[], int] = torch._C._current_graph_task_id
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
@@ -56,6 +91,7 @@ class Engine:
         self.group_of: list[int] = []
         self.bucket_of: list[_Bucket | None] = []
         self.seen: list[int] = []
+        self.sparse: set[int] = set()  # parameters whose gradients are sparse: for-loop steps, in groups of their own
         self.buckets: list[_Bucket] = []
         self.handles: list[RemovableHandle] = []
         self.open: list[int] = []
@@ -72,7 +108,9 @@ class Engine:
             self.group_of.append(group_index)
             self.bucket_of.append(None)
             self.seen.append(-1)
-            self.handles.append(p.register_post_accumulate_grad_hook(_make_hook(ref, i)))
+            handle = p.register_post_accumulate_grad_hook(_make_hook(ref, i))
+            self.handles.append(handle)
+            record_owner(p, self.owner, handle)
 
     def remove(self) -> None:
         for h in self.handles:
@@ -119,6 +157,8 @@ class Engine:
     def _learn(self, i: int) -> None:
         self.open.append(i)
         p = self.params[i]
+        if p.grad is not None and p.grad.is_sparse:
+            self.sparse.add(i)
         self.open_bytes += p.numel() * p.element_size()
         if self.per_parameter or self.open_bytes >= self.cap_bytes:
             self._close_open_bucket()
@@ -157,22 +197,25 @@ class Engine:
     # -- inner optimizers ---------------------------------------------------------------------------------------
     def _build_steppers(self, b: _Bucket) -> None:
         owner = self.owner
-        by_group: dict[int, list[torch.Tensor]] = {}
+        # Key: (facade group, sparse?). Sparse gradients take the for-loop path, the one torch has for them.
+        by_group: dict[tuple[int, bool], list[torch.Tensor]] = {}
         for i in b.indices:
-            by_group.setdefault(self.group_of[i], []).append(self.params[i])
-        by_class: dict[type, list[int]] = {}
-        for gi in by_group:
-            by_class.setdefault(owner._group_classes[gi], []).append(gi)
+            by_group.setdefault((self.group_of[i], i in self.sparse), []).append(self.params[i])
+        by_class: dict[type, list[tuple[int, bool]]] = {}
+        for key in by_group:
+            by_class.setdefault(owner._group_classes[key[0]], []).append(key)
         b.steppers = []
-        for cls, gis in by_class.items():
+        for cls, keys in by_class.items():
+            overrides = [{} if sparse else owner._overrides[gi] for gi, sparse in keys]
             inner_groups = [
-                {**_hyper(owner.param_groups[gi]), "params": by_group[gi], **owner._overrides[gi]} for gi in gis
+                {**_hyper(owner.param_groups[gi]), "params": by_group[(gi, sparse)], **ov}
+                for (gi, sparse), ov in zip(keys, overrides)
             ]
             inner = cls(inner_groups, **owner._kwargs_for(cls))
             inner.state = owner.state
             pairs = [
-                (ig, owner.param_groups[gi], {"params": ig["params"], **owner._overrides[gi]})
-                for ig, gi in zip(inner.param_groups, gis)
+                (ig, owner.param_groups[gi], {"params": ig["params"], **ov})
+                for ig, (gi, _), ov in zip(inner.param_groups, keys, overrides)
             ]
             b.steppers.append((unwrapped_step(cls), inner, pairs))
 
@@ -186,5 +229,13 @@ def _make_hook(ref: weakref.ref[Engine], i: int) -> Callable[[torch.Tensor], Non
         engine = ref()
         if engine is not None:
             engine.grad_ready(i)
+        else:
+            warnings.warn(
+                "a parameter's InBackwardOptimizer was garbage-collected while its hooks were attached, so it is "
+                "no longer stepped in backward and its gradient accumulates. Keep a reference to the optimizer "
+                "for as long as you train, or call .remove() on it before dropping it",
+                UserWarning,
+                stacklevel=2,
+            )
 
     return hook

@@ -15,7 +15,8 @@ import torch
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from dist_optim.optimizer import check_optimizer_class, check_single_process, check_tensor, claim
+from dist_optim._engine import check_unowned, record_owner
+from dist_optim.optimizer import check_optimizer_class, check_single_process, check_tensor
 
 __all__: list[str] = []
 
@@ -94,14 +95,17 @@ def apply_optimizer_in_backward(
     params = list(params)
     for k, p in enumerate(params):
         check_tensor(p, f"params[{k}]")
+    if register_hook:
+        for p in params:
+            check_unowned([p], _RECORDS.get(p), lambda t: f"of shape {tuple(t.shape)}")
     for p in params:
         record = _RECORDS.get(p)
         if record is None:
             record = _RECORDS[p] = _Record(p)
         record.optimizers.append(optimizer_class([record.alias], **optimizer_kwargs))
         if register_hook and record.handle is None:
-            claim([p], record, lambda t: f"of shape {tuple(t.shape)}")
             record.handle = p.register_post_accumulate_grad_hook(_make_hook(record))
+            record_owner(p, record, record.handle)
 
 
 def get_in_backward_optimizers(module: torch.nn.Module) -> list[torch.optim.Optimizer]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import weakref
 from collections.abc import Iterable
 from itertools import chain
 from typing import Any, Callable
@@ -17,42 +16,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
-from torch.utils.weak import WeakTensorKeyDictionary
 
-from dist_optim._engine import Engine, unwrapped_step
+from dist_optim._engine import Engine, check_unowned, release, unwrapped_step
 
 __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_CAP_MB = 16.0
-
-# param -> weakref to whatever steps it in backward; the value never refers to its key, so nothing is kept alive.
-_OWNERS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-
-
-def claim(params: Iterable[torch.Tensor], owner: object, describe: Callable[[torch.Tensor], str]) -> None:
-    """Record ``owner`` as the one that steps ``params`` in backward; refuse a parameter another owner holds."""
-    params = list(params)
-    for p in params:
-        ref = _OWNERS.get(p)
-        other = ref() if ref is not None else None
-        if other is not None and other is not owner and getattr(other, "_hooks_active", True):
-            raise ValueError(
-                f"parameter {describe(p)} is already stepped in backward by {type(other).__name__} at "
-                f"{hex(id(other))}; a gradient can be consumed only once. Put it in one optimizer (param groups "
-                "may carry their own 'optimizer_class'), or call .remove() on the other one first"
-            )
-    for p in params:
-        _OWNERS[p] = weakref.ref(owner)
-
-
-def release(params: Iterable[torch.Tensor], owner: object) -> None:
-    for p in params:
-        ref = _OWNERS.get(p)
-        if ref is not None and ref() is owner:
-            del _OWNERS[p]
-
 
 def check_optimizer_class(optimizer_class: Any) -> None:
     if isinstance(optimizer_class, torch.optim.Optimizer):
@@ -87,6 +58,20 @@ def check_tensor(p: Any, name: str) -> None:
             f"{name} does not require grad, so its step would never fire in backward; leave frozen tensors out "
             "(e.g. [p for p in model.parameters() if p.requires_grad]) or pass the nn.Module, which skips them"
         )
+
+
+_SPARSE_CAPABLE = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam)
+
+
+def _check_sparse_modules(module: nn.Module, optimizer_class: type[torch.optim.Optimizer]) -> None:
+    for name, m in module.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
+            if not issubclass(optimizer_class, _SPARSE_CAPABLE):
+                raise ValueError(
+                    f"{name or type(m).__name__} makes sparse gradients (sparse=True), which "
+                    f"{optimizer_class.__name__} cannot step; use torch.optim.SparseAdam, SGD or Adagrad for it "
+                    "(a param group may carry its own 'optimizer_class'), or build the embedding with sparse=False"
+                )
 
 
 def _module_params(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -180,6 +165,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
         if isinstance(params, nn.Module):
+            _check_sparse_modules(params, optimizer_class)
             params = _module_params(params)
         check_single_process(allow_local_steps)
         if isinstance(params, torch.Tensor):
@@ -192,18 +178,18 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             raise ValueError("InBackwardOptimizer got an empty parameter list")
         if not isinstance(groups[0], dict):
             groups = [{"params": groups}]
+        groups = [{**g, "params": _as_list(g["params"])} if isinstance(g, dict) and "params" in g else g for g in groups]
         self._optimizer_class = optimizer_class
         self._optimizer_kwargs = dict(optimizer_kwargs)
         self._group_classes: list[type[torch.optim.Optimizer]] = []
         self._overrides: list[dict[str, Any]] = []
         self._finishing = False
-        self._hooks_active = True
         self._engine = Engine(self, int(bucket_cap_mb * 2**20), per_parameter)
         defaults = self._probe_defaults(groups)
         super().__init__(groups, defaults)
 
     def _probe_defaults(self, groups: list[dict[str, Any]]) -> dict[str, Any]:
-        first = next((p for g in groups for p in _as_list(g.get("params", []))), None)
+        first = next((p for g in groups if isinstance(g, dict) for p in g.get("params", [])), None)
         if isinstance(first, tuple):
             first = first[1]
         like = first if isinstance(first, torch.Tensor) else torch.empty(0)
@@ -225,9 +211,11 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         group = dict(param_group)
         cls = group.pop("optimizer_class", self._optimizer_class)
         check_optimizer_class(cls)
-        entries = _as_list(group.get("params", []))
+        if "params" not in group:
+            raise ValueError(f"param group {len(self.param_groups)} has no 'params' key")
+        entries = _as_list(group["params"])
         if not entries:
-            raise ValueError(f"param group {len(self.param_groups)} has no parameters")
+            raise ValueError(f"param group {len(self.param_groups)} has an empty 'params' list")
         known = {id(p) for g in self.param_groups for p in g["params"]}
         for k, entry in enumerate(entries):
             name, p = entry if isinstance(entry, tuple) else (f"param_groups[{len(self.param_groups)}][{k}]", entry)
@@ -238,7 +226,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         group["params"] = entries
         # The class fills its own defaults and checks its options (and the tensors) now, not at the first backward.
         filled = cls([group], **self._kwargs_for(cls)).param_groups[0]
-        claim(filled["params"], self, self.param_name)
+        check_unowned(filled["params"], self, self.param_name)
         self.param_groups.append(filled)
         self._group_classes.append(cls)
         self._overrides.append(_implementation(cls, filled, self._kwargs_for(cls)))
@@ -324,7 +312,6 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         """Detach every hook. The model then trains with a standard optimizer again, and this object behaves as
         one: :meth:`step` steps whatever gradients are present."""
         self._engine.remove()
-        self._hooks_active = False
         release((p for g in self.param_groups for p in g["params"]), self)
 
 

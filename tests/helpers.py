@@ -1,0 +1,81 @@
+"""Shared test pieces: a small model, deterministic data, and the standard loop every feature is checked against."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 8, depth: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(self.norm(x))
+
+
+def make_model(seed: int = 0, **kwargs) -> nn.Module:
+    torch.manual_seed(seed)
+    return MLP(**kwargs)
+
+
+def batches(n: int, width: int = 8, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(6, width, generator=g), torch.randn(6, 1, generator=g)) for _ in range(n)]
+
+
+def loss_of(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def train_standard(model: nn.Module, opt: torch.optim.Optimizer, data, after_step: Callable | None = None) -> list:
+    losses = []
+    for k, batch in enumerate(data):
+        loss = loss_of(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if after_step is not None:
+            after_step(k, loss)
+    return losses
+
+
+def train_in_backward(model: nn.Module, data, after_step: Callable | None = None) -> list:
+    losses = []
+    for k, batch in enumerate(data):
+        loss = loss_of(model, batch)
+        loss.backward()
+        losses.append(loss.item())
+        if after_step is not None:
+            after_step(k, loss)
+    return losses
+
+
+def twins(seed: int = 0, **kwargs) -> tuple[nn.Module, nn.Module]:
+    model = make_model(seed, **kwargs)
+    return model, copy.deepcopy(model)
+
+
+def assert_same_params(a: nn.Module, b: nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), f"{name} differs: max |diff| {(p - q).abs().max().item()}"
+
+
+def assert_same_state(sd_a: dict, sd_b: dict) -> None:
+    assert sd_a["param_groups"] == sd_b["param_groups"]
+    assert sd_a["state"].keys() == sd_b["state"].keys()
+    for k, state in sd_a["state"].items():
+        assert state.keys() == sd_b["state"][k].keys()
+        for key, v in state.items():
+            w = sd_b["state"][k][key]
+            assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, f"state[{k}][{key!r}] differs"
