@@ -240,7 +240,7 @@ def bench_model(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
     for name in VARIANTS:
         ps = list(models[name].parameters())
         agreement[name] = {
-            "max_abs_diff_vs_standard_fused": max(float((a - b).abs().max()) for a, b in zip(ps, ref)),
+            "max_abs_diff_vs_standard_fused": max(float((a.detach() - b.detach()).abs().max()) for a, b in zip(ps, ref)),
             "bitwise_equal_to_standard_fused": all(torch.equal(a, b) for a, b in zip(ps, ref)),
             "moved_from_init": any(not torch.equal(a, b) for a, b in zip(ps, init)),
             "grads_left": sum(p.grad is not None for p in ps),

@@ -90,13 +90,13 @@ class Engine:
         self.params: list[torch.Tensor] = []
         self.group_of: list[int] = []
         self.bucket_of: list[_Bucket | None] = []
-        self.seen: list[int] = []
         self.sparse: set[int] = set()  # parameters whose gradients are sparse: for-loop steps, in groups of their own
         self.buckets: list[_Bucket] = []
         self.handles: list[RemovableHandle] = []
         self.open: list[int] = []
         self.open_bytes = 0
-        self.task = -1
+        self.task = -1  # the autograd graph task of the current (or last) backward
+        self.previous_task = -1
         self.iterations = 0
 
     # -- registration -------------------------------------------------------------------------------------------
@@ -107,7 +107,6 @@ class Engine:
             self.params.append(p)
             self.group_of.append(group_index)
             self.bucket_of.append(None)
-            self.seen.append(-1)
             handle = p.register_post_accumulate_grad_hook(_make_hook(ref, i))
             self.handles.append(handle)
             record_owner(p, self.owner, handle)
@@ -127,13 +126,6 @@ class Engine:
         tid = _task_id()
         if tid != self.task:
             self._begin(tid)
-        if self.seen[i] == tid:
-            raise RuntimeError(
-                f"the gradient of parameter {self.owner.param_name(self.params[i])} arrived twice in one backward "
-                "(reentrant activation checkpointing does this); use "
-                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
-            )
-        self.seen[i] = tid
         b = self.bucket_of[i]
         if b is None:
             self._learn(i)
@@ -143,15 +135,17 @@ class Engine:
             self.step_bucket(b)
 
     def _begin(self, tid: int) -> None:
-        if self.task != -1 and (self.open or any(b.arrived for b in self.buckets)):
+        if tid == self.previous_task:
+            _refuse_nested_backward()
+        if self.open or any(b.arrived for b in self.buckets):
             # The previous backward raised before its end-of-backward callback: forget its partial buckets.
             for b in self.buckets:
                 b.arrived = 0
             self.open.clear()
             self.open_bytes = 0
-        self.task = tid
+        self.previous_task, self.task = self.task, tid
         self.iterations += 1
-        _queue_callback(self._end_of_backward)
+        _queue_callback(lambda: self._end_of_backward(tid))
         self.owner._begin_training_step()
 
     def _learn(self, i: int) -> None:
@@ -186,7 +180,9 @@ class Engine:
         for p in b.params:
             p.grad = None
 
-    def _end_of_backward(self) -> None:
+    def _end_of_backward(self, tid: int) -> None:
+        if tid != self.task:
+            _refuse_nested_backward()
         if self.open:
             self._close_open_bucket()
         for b in self.buckets:
@@ -218,6 +214,14 @@ class Engine:
                 for ig, (gi, _), ov in zip(inner.param_groups, keys, overrides)
             ]
             b.steppers.append((unwrapped_step(cls), inner, pairs))
+
+
+def _refuse_nested_backward() -> None:
+    raise RuntimeError(
+        "a backward ran inside another backward (reentrant activation checkpointing, or autograd.backward "
+        "called from a hook): parameters would be stepped on partial gradients. Use "
+        "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+    )
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,249 @@
+"""The engine: buckets, freeing, unused and tied parameters, failed backwards, and nothing kept alive."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import warnings
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from dist_optim import InBackwardOptimizer
+from helpers import assert_same_params, assert_same_state, batches, loss_of, make_model, train_standard, twins
+
+
+def test_buckets_follow_gradient_arrival_and_cap():
+    model = make_model(width=16)
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, bucket_cap_mb=16 * 16 * 4 / 2**20)
+    loss_of(model, batches(1, width=16)[0]).backward()
+    buckets = opt._engine.buckets
+    flat = [p for b in buckets for p in b.params]
+    assert len(flat) == len(list(model.parameters()))
+    assert flat[0] is model.head.bias or flat[0] is model.head.weight  # the head's gradients arrive first
+    position = {id(p): k for k, p in enumerate(flat)}
+    assert position[id(model.layers[0].weight)] > position[id(model.layers[2].weight)]
+    cap = 16 * 16 * 4
+    for b in buckets[:-1]:  # every bucket but the last closed because it reached the cap
+        assert sum(p.numel() * p.element_size() for p in b.params) >= cap
+        assert sum(p.numel() * p.element_size() for p in b.params[:-1]) < cap
+    assert len(buckets) > 2
+
+
+def test_per_parameter_mode_steps_each_parameter_alone():
+    model = make_model()
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, per_parameter=True)
+    loss_of(model, batches(1)[0]).backward()
+    assert [b.size for b in opt._engine.buckets] == [1] * len(list(model.parameters()))
+
+
+def test_gradients_are_freed_while_backward_runs():
+    """When the first layer's gradient is ready, the head was already stepped and its gradient freed."""
+    model = make_model()
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, per_parameter=True)
+    head_before = model.head.weight.detach().clone()
+    seen = {}
+
+    def probe(_p):
+        seen["head_grad"] = model.head.weight.grad
+        seen["head_changed"] = not torch.equal(model.head.weight, head_before)
+
+    model.layers[0].weight.register_post_accumulate_grad_hook(probe)
+    loss_of(model, batches(1)[0]).backward()
+    assert seen == {"head_grad": None, "head_changed": True}
+    assert opt is not None
+
+
+@pytest.mark.parametrize("cap", [16.0, 1e-4])
+def test_unused_parameters_are_not_stepped(cap):
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(8, 8)
+            self.a = nn.Linear(8, 1)
+            self.b = nn.Linear(8, 1)
+
+        def forward(self, x, head):
+            return getattr(self, head)(torch.tanh(self.body(x)))
+
+    torch.manual_seed(0)
+    model = TwoHeads()
+    ref = copy.deepcopy(model)
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.AdamW, bucket_cap_mb=cap, fused=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), fused=True)
+    heads = ["a", "a", "b", "a", "b"]  # b is unused on the first backward, when buckets are learned
+    for (x, y), head in zip(batches(5), heads):
+        nn.functional.mse_loss(model(x, head), y).backward()
+        nn.functional.mse_loss(ref(x, head), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_same_params(model, ref)
+    assert_same_state(opt.state_dict(), ref_opt.state_dict())
+    assert opt.state[model.b.weight]["step"].item() == 2  # stepped only when b was used
+
+
+def test_tied_parameters_step_once():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 8)
+            self.mid = nn.Linear(8, 8)
+            self.out = nn.Linear(8, 10, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, idx):
+            return self.out(torch.tanh(self.mid(self.emb(idx))))
+
+    torch.manual_seed(0)
+    model = Tied()
+    ref = copy.deepcopy(model)
+    assert ref.out.weight is ref.emb.weight
+    opt = InBackwardOptimizer(model, torch.optim.AdamW, fused=True, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), fused=True, lr=1e-2)
+    assert len(opt.param_groups[0]["params"]) == 3
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        idx = torch.randint(0, 10, (5,), generator=g)
+        model(idx).logsumexp(-1).mean().backward()
+        ref(idx).logsumexp(-1).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_same_params(model, ref)
+    assert opt.state[model.emb.weight]["step"].item() == 4
+
+
+def test_a_failed_backward_leaves_the_next_one_correct():
+    model, ref = twins()
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9, bucket_cap_mb=1e-4)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    data = batches(3)
+    loss_of(model, data[0]).backward()
+    train_standard(ref, ref_opt, data[:1])
+
+    def boom(_grad):
+        raise RuntimeError("boom")
+
+    x, y = data[1]
+    before = [p.detach().clone() for p in model.parameters()]
+    h = torch.tanh(model.layers[0](x))
+    h.register_hook(boom)  # fails midway: buckets near the head are stepped, the first layer's are not
+    out = model.head(model.norm(torch.tanh(model.layers[2](torch.tanh(model.layers[1](h))))))
+    with pytest.raises(RuntimeError, match="boom"):
+        nn.functional.mse_loss(out, y).backward()
+    stepped = [not torch.equal(p, b) for p, b in zip(model.parameters(), before)]
+    assert any(stepped) and not all(stepped)
+    model.zero_grad()  # as after any failed backward: drop the gradients it left behind
+    # The reference steps exactly the parameters the failed backward stepped, on the same gradients.
+    loss_of(ref, data[1]).backward()
+    for p, was_stepped in zip(ref.parameters(), stepped):
+        if not was_stepped:
+            p.grad = None
+    ref_opt.step()
+    ref_opt.zero_grad()
+    assert_same_params(model, ref)
+    # and the next backward is a whole, correct step again
+    loss_of(model, data[2]).backward()
+    train_standard(ref, ref_opt, data[2:])
+    assert_same_params(model, ref)
+    assert all(p.grad is None for p in model.parameters()) and opt is not None
+
+
+def test_reentrant_checkpointing_is_refused_loudly():
+    """A reentrant checkpoint runs a backward inside the backward; exact in-backward steps are impossible there."""
+    model = make_model()
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, per_parameter=True)
+    x, y = batches(1)[0]
+    h = torch.utils.checkpoint.checkpoint(model.layers[0], x.requires_grad_(), use_reentrant=True)
+    loss = nn.functional.mse_loss(model.head(model.norm(torch.tanh(model.layers[1](h)))), y)
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        loss.backward()
+    # the non-reentrant checkpoint is exact
+    model, ref = twins()
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for m in (model, ref):
+        h = torch.utils.checkpoint.checkpoint(m.layers[0], x, use_reentrant=False)
+        nn.functional.mse_loss(m.head(m.norm(torch.tanh(m.layers[1](h)))), y).backward()
+    ref_opt.step()
+    assert_same_params(model, ref)
+    assert opt is not None
+
+
+def test_dropping_model_and_optimizer_frees_the_parameters():
+    model = make_model()
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.AdamW, fused=True)
+    loss_of(model, batches(1)[0]).backward()
+    refs = [weakref.ref(p) for p in model.parameters()]
+    del model, opt
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_torch_private_function_leaks_where_we_do_not():
+    """The reason this project exists: torch's version keeps every parameter alive forever."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    model = make_model()
+    _apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
+    ref = weakref.ref(model.head.weight)
+    del model
+    gc.collect()
+    assert ref() is not None
+
+
+def test_a_dropped_optimizer_warns_at_the_next_backward():
+    model = make_model()
+    InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    gc.collect()
+    with pytest.warns(UserWarning, match="garbage-collected while its hooks were attached"):
+        loss_of(model, batches(1)[0]).backward()
+    assert model.head.weight.grad is not None  # nothing consumed it: it accumulates like in a standard loop
+    # a new optimizer takes the parameters over and detaches the dead one's hooks
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    model.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss_of(model, batches(1)[0]).backward()
+    assert model.head.weight.grad is None and opt is not None
+
+
+def test_parameters_carry_no_attributes_and_save_cleanly():
+    model = make_model()
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.AdamW, fused=True)
+    loss_of(model, batches(1)[0]).backward()
+    for p in model.parameters():
+        assert p.__dict__ == {}
+    buf = io.BytesIO()
+    torch.save(model.head.weight, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    assert torch.equal(loaded, model.head.weight) and loaded.__dict__ == {}
+    assert opt is not None
+
+
+def test_two_optimizers_cannot_consume_the_same_gradient():
+    model = make_model()
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="already stepped in backward by InBackwardOptimizer"):
+        InBackwardOptimizer(model.head.parameters(), torch.optim.AdamW)
+    opt.remove()
+    other = InBackwardOptimizer(model.head.parameters(), torch.optim.AdamW)  # fine once the first let go
+    assert other.param_groups[0]["params"][0] is model.head.weight
+
+
+def test_results_do_not_depend_on_bucket_size():
+    data = batches(4)
+    results = []
+    for kwargs in ({"per_parameter": True}, {"bucket_cap_mb": 1e-4}, {}):
+        model = make_model()
+        opt = InBackwardOptimizer(model.parameters(), torch.optim.AdamW, fused=True, **kwargs)
+        for batch in data:
+            loss_of(model, batch).backward()
+        results.append((model, opt))
+    ref = make_model()
+    train_standard(ref, torch.optim.AdamW(ref.parameters(), fused=True), data)
+    for model, _ in results:
+        assert_same_params(model, ref)
