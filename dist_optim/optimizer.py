@@ -329,6 +329,10 @@ def _implementation(cls: type[torch.optim.Optimizer], group: dict[str, Any], kwa
     if group.get("fused") is not None or group.get("foreach") is not None or group.get("differentiable"):
         return {}
     for flag in ("fused", "foreach"):
+        if flag == "fused" and issubclass(cls, torch.optim.SGD):
+            # torch's fused SGD fails on a group where some momentum buffers exist and some do not yet (a parameter
+            # unused so far, or a layer added to a resumed model), which foreach and the for-loop handle.
+            continue
         if flag in group and _runs(cls, group, kwargs, flag):
             return {flag: True}
     return {}

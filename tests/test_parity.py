@@ -256,8 +256,8 @@ def build_in_backward(model: Net, cfg: Config, impl: str, option: str, mode: str
     groups = split_params(model, cfg)
     engine_kwargs, _ = MODES[mode]
     if cfg.muon != "mixed":
-        return InBackwardOptimizer([params[n] for n in groups[0]], cfg.cls, **engine_kwargs, **cfg.kwargs,
-                                   **option_kwargs(cfg, option), **impl_flags(cfg.cls, impl, reference=False))
+        return InBackwardOptimizer([params[n] for n in groups[0]], cfg.cls, **engine_kwargs,
+                                   **optimizer_kwargs(cfg, option), **impl_flags(cfg.cls, impl, reference=False))
     return InBackwardOptimizer(
         [
             {"params": [params[n] for n in groups[0]]},
