@@ -168,6 +168,14 @@ def profiled_peak(fn: Callable[[], None]) -> dict[str, int]:
     return {"peak_bytes": peak, "net_bytes": running, "events": len(deltas)}
 
 
+def activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes that the forward keeps alive for backward (the loss and its graph), from the profiler's events."""
+    keep: list[torch.Tensor] = []
+    res = profiled_peak(lambda: keep.append(model(x).square().mean()))
+    keep.clear()
+    return res["net_bytes"]
+
+
 def bucket_bytes(opt: dist_optim.InBackwardOptimizer) -> list[int]:
     return [sum(p.numel() * p.element_size() for p in b.params) for b in opt._engine.buckets]
 
@@ -219,6 +227,7 @@ def bench_model(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
 
     # Memory, one profiled iteration each (same count for every variant, so parameters stay comparable).
     memory = {name: profiled_peak(runs[name]) for name in VARIANTS}
+    act_bytes = activation_bytes(copy.deepcopy(base), x)
 
     # Time, interleaved repetitions, rotated order.
     samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
@@ -289,6 +298,8 @@ def bench_model(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         "param_bytes": grad_bytes,
         "grad_bytes": grad_bytes,
         "largest_tensor_bytes": largest_tensor,
+        "activation_bytes": act_bytes,
+        "inbackward_peak_above_largest_bucket_bytes": memory["inbackward"]["peak_bytes"] - largest_bucket,
         "batch": args.batch,
         "inbackward_buckets": {"count": len(buckets), "bytes": buckets, "tensors": [len(b.params) for b in inb._engine.buckets]},
         "timing": timing,
@@ -310,7 +321,8 @@ def print_model(name: str, res: dict[str, Any]) -> None:
     print(
         f"    {res['n_tensors']} tensors, {res['n_params'] / 1e6:.2f} M params, {res['grad_bytes'] / MiB:.2f} MiB of "
         f"gradients, batch {res['batch']}; in-backward buckets: {res['inbackward_buckets']['count']} "
-        f"(MiB: {', '.join(f'{b / MiB:.2f}' for b in res['inbackward_buckets']['bytes'])})"
+        f"(MiB: {', '.join(f'{b / MiB:.2f}' for b in res['inbackward_buckets']['bytes'])}); activations kept by "
+        f"the forward {res['activation_bytes'] / MiB:.2f} MiB"
     )
     std = res["timing"]["standard_fused"]["median_s"]
     print(f"    {'variant':<24}{'median ms':>10}{'p25':>9}{'p75':>9}{'/std_fused':>11}{'peak MiB':>10}{'net MiB':>9}"
@@ -329,6 +341,8 @@ def print_model(name: str, res: dict[str, Any]) -> None:
     for v, s in res["memory_saving"].items():
         frac = "n/a" if s["fraction"] is None else f"{s['fraction']:.3f}"
         print(f"      {v:<24} {fmt_mib(s['achieved_bytes'])} / {fmt_mib(s['theoretical_bytes'])} MiB = {frac}")
+    print(f"    in-backward peak above its largest bucket: {res['inbackward_peak_above_largest_bucket_bytes'] / MiB:.2f} MiB"
+          " (activations still alive when that bucket completes, plus the backward's temporaries)")
     print("    targets:")
     for k, ok in res["targets"].items():
         print(f"      {k:<50}{'met' if ok else 'MISSED'}")
@@ -381,6 +395,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "models": {},
     }
+    load0 = os.getloadavg()
+    if load0[0] > 1.0:
+        print(f"WARNING: 1-minute load average is {load0[0]:.2f} before the run: other processes compete for the CPUs "
+              "and the timings will be noisy", file=sys.stderr)
     print(f"bench_core ({results['mode']}): torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{args.reps} interleaved reps x {args.iters} iterations, medians")
     for spec in model_specs(args.quick):
@@ -390,6 +408,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["models"][spec["name"]] = res
         print_model(spec["name"], res)
     results["wall_s"] = time.perf_counter() - t0
+    results["env"]["loadavg_before"] = list(load0)
+    results["env"]["loadavg_after"] = list(os.getloadavg())
     out_dir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(out_dir, exist_ok=True)
     with open(args.out, "w") as f:

@@ -186,7 +186,11 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._finishing = False
         self._engine = Engine(self, int(bucket_cap_mb * 2**20), per_parameter)
         defaults = self._probe_defaults(groups)
-        super().__init__(groups, defaults)
+        try:
+            super().__init__(groups, defaults)
+        except BaseException:
+            self.remove()  # nothing stays attached from the groups that were accepted before the bad one
+            raise
 
     def _probe_defaults(self, groups: list[dict[str, Any]]) -> dict[str, Any]:
         first = next((p for g in groups if isinstance(g, dict) for p in g.get("params", [])), None)
@@ -312,7 +316,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         """Detach every hook. The model then trains with a standard optimizer again, and this object behaves as
         one: :meth:`step` steps whatever gradients are present."""
         self._engine.remove()
-        release((p for g in self.param_groups for p in g["params"]), self)
+        release((p for g in getattr(self, "param_groups", []) for p in g["params"]), self)
 
 
 def _as_list(params: Any) -> list[Any]:

@@ -1,0 +1,47 @@
+"""In a multi-rank job, plain hooks would step on local, un-reduced gradients: refused unless asked for.
+
+Real gloo process groups (2 ranks, FileStore in a temporary folder, so parallel test workers never collide).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import dist_optim
+from helpers import assert_same_params, batches, make_model, train_in_backward, train_standard
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
+
+
+def _worker(rank: int, world: int, store_path: str) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        model = make_model()
+        with pytest.raises(RuntimeError, match="2 ranks is initialised.*allow_local_steps=True"):
+            dist_optim.InBackwardOptimizer(model.parameters(), torch.optim.AdamW)
+        with pytest.raises(RuntimeError, match="un-reduced gradient"):
+            dist_optim.apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
+        # Local SGD, asked for: each rank steps on its own data, exactly like a local standard loop.
+        ref = copy.deepcopy(model)
+        opt = dist_optim.InBackwardOptimizer(model.parameters(), torch.optim.AdamW, allow_local_steps=True)
+        data = batches(3, seed=10 + rank)
+        train_in_backward(model, data)
+        train_standard(ref, torch.optim.AdamW(ref.parameters(), fused=True), data)
+        assert_same_params(model, ref)
+        gathered = [torch.empty_like(model.head.weight) for _ in range(world)]
+        dist.all_gather(gathered, model.head.weight.detach())
+        assert not torch.equal(gathered[0], gathered[1])  # the replicas did drift: local steps, as requested
+        assert opt is not None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_multi_rank_job_without_a_wrapper_is_refused(tmp_path):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)

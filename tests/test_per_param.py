@@ -1,0 +1,138 @@
+"""The seed-compatible pair: apply_optimizer_in_backward / get_in_backward_optimizers."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.optim import _apply_optimizer_in_backward, _get_in_backward_optimizers
+
+from dist_optim import InBackwardOptimizer, apply_optimizer_in_backward, get_in_backward_optimizers
+from helpers import assert_same_params, batches, loss_of, make_model, train_in_backward, train_standard, twins
+
+
+@pytest.mark.parametrize(
+    "cls,kwargs", [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.AdamW, {"lr": 1e-2})]
+)
+def test_same_result_as_torch_private_function_and_the_standard_loop(cls, kwargs):
+    ours, theirs = twins()
+    ref = copy.deepcopy(ours)
+    apply_optimizer_in_backward(cls, ours.parameters(), kwargs)
+    _apply_optimizer_in_backward(cls, theirs.parameters(), kwargs)
+    data = batches(4)
+    train_in_backward(ours, data)
+    train_in_backward(theirs, data)
+    train_standard(ref, cls(ref.parameters(), **kwargs), data)
+    assert_same_params(ours, theirs)
+    assert_same_params(ours, ref)
+    assert all(p.grad is None for p in ours.parameters())
+    ours_sd = [o.state_dict() for o in get_in_backward_optimizers(ours)]
+    theirs_sd = [o.state_dict() for o in _get_in_backward_optimizers(theirs)]
+    assert len(ours_sd) == len(theirs_sd) == len(list(ours.parameters()))
+    for a, b in zip(ours_sd, theirs_sd):
+        assert a["param_groups"] == b["param_groups"]
+        for key, v in a["state"][0].items():
+            assert torch.equal(v, b["state"][0][key])
+
+
+def test_several_optimizers_per_parameter_each_step_once():
+    model, ref = twins()
+    apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
+    apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 1e-2})
+    assert len(get_in_backward_optimizers(model)) == 2 * len(list(model.parameters()))
+    sgd, adam = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for batch in batches(3):
+        loss_of(model, batch).backward()
+        loss_of(ref, batch).backward()
+        sgd.step()
+        adam.step()
+        ref.zero_grad()
+    assert_same_params(model, ref)
+    for opt in get_in_backward_optimizers(model)[1::2]:
+        assert next(iter(opt.state.values()))["step"].item() == 3
+
+
+def test_shared_parameter_steps_once_per_backward():
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)))
+
+    torch.manual_seed(0)
+    model = Shared()
+    ref = copy.deepcopy(model)
+    apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1, "momentum": 0.9})
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(3, 4, generator=g)
+        model(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_same_params(model, ref)
+    assert len(get_in_backward_optimizers(model)) == 3  # a.weight (shared), a.bias, b.bias
+
+
+def test_register_hook_false_records_without_stepping():
+    model = make_model()
+    before = model.head.weight.detach().clone()
+    apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1}, register_hook=False)
+    assert len(get_in_backward_optimizers(model)) == len(list(model.parameters()))
+    loss_of(model, batches(1)[0]).backward()
+    assert torch.equal(model.head.weight, before) and model.head.weight.grad is not None
+    # a later call with the hook steps every recorded optimizer, as torch's does
+    apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
+    model.zero_grad()
+    loss_of(model, batches(1)[0]).backward()
+    assert model.head.weight.grad is None and not torch.equal(model.head.weight, before)
+
+
+def test_dropping_the_model_frees_it():
+    model = make_model()
+    apply_optimizer_in_backward(torch.optim.AdamW, model.parameters(), {"lr": 1e-2})
+    loss_of(model, batches(1)[0]).backward()
+    refs = [weakref.ref(p) for p in model.parameters()]
+    del model
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_follows_module_to_a_new_dtype():
+    model, ref = twins()
+    apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1, "momentum": 0.9})
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    data = batches(3)
+    train_in_backward(model, data[:1])
+    train_standard(ref, ref_opt, data[:1])
+    model.double()  # `param.data = ...` under the hood: the optimizers must follow the new storage
+    ref.double()
+    for opt in [ref_opt, *get_in_backward_optimizers(model)]:
+        for s in opt.state.values():
+            s["momentum_buffer"] = s["momentum_buffer"].double()
+    double = [(x.double(), y.double()) for x, y in data[1:]]
+    train_in_backward(model, double)
+    train_standard(ref, ref_opt, double)
+    assert_same_params(model, ref)
+    assert model.head.weight.dtype == torch.float64
+
+
+def test_pair_and_facade_cannot_both_consume_a_gradient():
+    model = make_model()
+    apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
+    with pytest.raises(ValueError, match="already stepped in backward"):
+        InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    other = make_model()
+    opt = InBackwardOptimizer(other.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="already stepped in backward by InBackwardOptimizer"):
+        apply_optimizer_in_backward(torch.optim.SGD, other.parameters(), {"lr": 0.1})
+    assert opt is not None
