@@ -229,8 +229,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             known.add(id(p))
         group["params"] = entries
         # The class fills its own defaults and checks its options (and the tensors) now, not at the first backward.
-        filled = cls([group], **self._kwargs_for(cls)).param_groups[0]
+        probe = cls([group], **self._kwargs_for(cls))
+        filled = probe.param_groups[0]
         check_unowned(filled["params"], self, self.param_name)
+        self.state.update(probe.state)  # state some classes create at construction (Adagrad's sum)
         self.param_groups.append(filled)
         self._group_classes.append(cls)
         self._overrides.append(_implementation(cls, filled, self._kwargs_for(cls)))
