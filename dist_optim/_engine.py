@@ -149,11 +149,14 @@ class Engine:
         self.owner._begin_training_step()
 
     def _learn(self, i: int) -> None:
-        self.open.append(i)
         p = self.params[i]
         if p.grad is not None and p.grad.is_sparse:
             self.sparse.add(i)
-        self.open_bytes += p.numel() * p.element_size()
+        nbytes = p.numel() * p.element_size()
+        if self.open and self.open_bytes + nbytes > self.cap_bytes:
+            self._close_open_bucket()  # never exceed the cap: a tensor that does not fit starts the next bucket
+        self.open.append(i)
+        self.open_bytes += nbytes
         if self.per_parameter or self.open_bytes >= self.cap_bytes:
             self._close_open_bucket()
 

@@ -23,7 +23,7 @@ __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUCKET_CAP_MB = 16.0
+DEFAULT_BUCKET_CAP_MB = 4.0
 
 def check_optimizer_class(optimizer_class: Any) -> None:
     if isinstance(optimizer_class, torch.optim.Optimizer):
@@ -126,7 +126,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             ``optimizer_kwargs``.
         optimizer_class: a ``torch.optim.Optimizer`` subclass (not an instance), e.g. ``torch.optim.AdamW``.
         bucket_cap_mb: gradient bytes, in MiB, that a bucket holds at most before it is stepped (a single larger
-            tensor forms a bucket of its own). Default: 16.
+            tensor forms a bucket of its own). Default: 4.
         per_parameter: step each parameter on its own as soon as its gradient is ready (least memory, slowest).
         allow_local_steps: in a multi-rank job, step plain tensors on their local, un-reduced gradients (local
             SGD). Without it such a job is refused.

@@ -27,10 +27,19 @@ def test_buckets_follow_gradient_arrival_and_cap():
     position = {id(p): k for k, p in enumerate(flat)}
     assert position[id(model.layers[0].weight)] > position[id(model.layers[2].weight)]
     cap = 16 * 16 * 4
-    for b in buckets[:-1]:  # every bucket but the last closed because it reached the cap
-        assert sum(p.numel() * p.element_size() for p in b.params) >= cap
-        assert sum(p.numel() * p.element_size() for p in b.params[:-1]) < cap
+    sizes = [sum(p.numel() * p.element_size() for p in b.params) for b in buckets]
+    assert all(size <= cap for size in sizes)  # a bucket never holds more than the cap
+    for b, nxt in zip(buckets, buckets[1:]):  # and closes only when the next gradient would not fit
+        assert sum(p.numel() * p.element_size() for p in b.params) + nxt.params[0].numel() * 4 > cap
     assert len(buckets) > 2
+
+
+def test_a_tensor_larger_than_the_cap_is_a_bucket_of_its_own():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2))
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, bucket_cap_mb=1000 / 2**20)
+    model(torch.randn(3, 64)).sum().backward()
+    big = [b for b in opt._engine.buckets if any(p is model[0].weight for p in b.params)]
+    assert len(big) == 1 and big[0].size == 1
 
 
 def test_per_parameter_mode_steps_each_parameter_alone():
