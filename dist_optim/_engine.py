@@ -180,6 +180,10 @@ class Engine:
                 step(inner)
         finally:
             b.arrived = 0
+        if self.owner._bucket_step_hooks:
+            stepped = [p for p in b.params if p.grad is not None]
+            for hook in self.owner._bucket_step_hooks.values():
+                hook(stepped)
         for p in b.params:
             p.grad = None
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Iterable
+from collections import OrderedDict
 from itertools import chain
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+from torch.utils.hooks import RemovableHandle
 
 from dist_optim._engine import Engine, check_unowned, release, unwrapped_step
 
@@ -184,6 +186,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._group_classes: list[type[torch.optim.Optimizer]] = []
         self._overrides: list[dict[str, Any]] = []
         self._finishing = False
+        # Internal: called after each bucket step with the tensors just stepped (in-backward averaging uses it).
+        self._bucket_step_hooks: dict[int, Callable[[list[torch.Tensor]], None]] = OrderedDict()
         self._engine = Engine(self, int(bucket_cap_mb * 2**20), per_parameter)
         defaults = self._probe_defaults(groups)
         try:
@@ -237,6 +241,13 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._group_classes.append(cls)
         self._overrides.append(_implementation(cls, filled, self._kwargs_for(cls)))
         self._engine.add_params(len(self.param_groups) - 1, filled["params"])
+
+    def _register_bucket_step_hook(self, hook: Callable[[list[torch.Tensor]], None]) -> RemovableHandle:
+        """``hook(params)`` runs right after each bucket step (and after a standard :meth:`step`) with the tensors
+        that were just stepped. Internal: for features that must follow the parameters bucket by bucket."""
+        handle = RemovableHandle(self._bucket_step_hooks)
+        self._bucket_step_hooks[handle.id] = hook
+        return handle
 
     def param_name(self, p: torch.Tensor) -> str:
         """The name of ``p`` in this optimizer (its ``param_names`` entry, else ``param_groups[g][k]``)."""
@@ -304,6 +315,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             inner = cls(groups, **self._kwargs_for(cls))
             inner.state = self.state
             unwrapped_step(cls)(inner)
+        if self._bucket_step_hooks:
+            stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            for hook in self._bucket_step_hooks.values():
+                hook(stepped)
 
     # -- state --------------------------------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
