@@ -8,6 +8,7 @@ Hooks hold the engine weakly, so a dropped optimizer never keeps a model alive t
 
 from __future__ import annotations
 
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -18,6 +19,7 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakTensorKeyDictionary
 
 if TYPE_CHECKING:
+    from dist_optim._grad_policy import GradPolicy
     from dist_optim.optimizer import InBackwardOptimizer
 
 __all__: list[str] = []
@@ -83,8 +85,9 @@ class _Bucket:
 class Engine:
     """Per-parameter hooks and buckets for one :class:`~dist_optim.InBackwardOptimizer`."""
 
-    def __init__(self, owner: InBackwardOptimizer, cap_bytes: int, per_parameter: bool) -> None:
+    def __init__(self, owner: InBackwardOptimizer, cap_bytes: int, per_parameter: bool, policy: GradPolicy) -> None:
         self.owner = owner
+        self.policy = policy
         self.cap_bytes = cap_bytes
         self.per_parameter = per_parameter
         self.params: list[torch.Tensor] = []
@@ -97,7 +100,10 @@ class Engine:
         self.open_bytes = 0
         self.task = -1  # the autograd graph task of the current (or last) backward
         self.previous_task = -1
-        self.iterations = 0
+        self.stepping = False  # whether the current backward steps (False while accumulating micro-batches)
+        self.pre_hooks_fired = False
+        self.held: list[tuple[_Bucket, list[torch.Tensor]]] = []  # buckets waiting for a whole-step decision
+        self.held_ok = True
 
     # -- registration -------------------------------------------------------------------------------------------
     def add_params(self, group_index: int, params: list[torch.Tensor]) -> None:
@@ -126,13 +132,15 @@ class Engine:
         tid = _task_id()
         if tid != self.task:
             self._begin(tid)
+        if not self.stepping:
+            return  # a micro-batch that accumulates: the gradient stays in .grad
         b = self.bucket_of[i]
         if b is None:
             self._learn(i)
             return
         b.arrived += 1
         if b.arrived == b.size:
-            self.step_bucket(b)
+            self.complete(b)
 
     def _begin(self, tid: int) -> None:
         if tid == self.previous_task:
@@ -143,10 +151,14 @@ class Engine:
                 b.arrived = 0
             self.open.clear()
             self.open_bytes = 0
+        self.held.clear()
         self.previous_task, self.task = self.task, tid
-        self.iterations += 1
+        self.stepping = self.owner._backward_steps()
+        if self.stepping:
+            self.policy.begin()
+            self.pre_hooks_fired = False
+            self.held_ok = True
         _queue_callback(lambda: self._end_of_backward(tid))
-        self.owner._begin_training_step()
 
     def _learn(self, i: int) -> None:
         p = self.params[i]
@@ -169,9 +181,36 @@ class Engine:
         self.open_bytes = 0
         self._build_steppers(b)
         self.buckets.append(b)
-        self.step_bucket(b)
+        self.complete(b)
+
+    def complete(self, b: _Bucket) -> None:
+        """All of ``b``'s gradients that will come this backward are here: step it, skip it, or hold it."""
+        b.arrived = 0
+        policy = self.policy
+        if not policy.active:
+            self.step_bucket(b)
+            return
+        present = [p for p in b.params if p.grad is not None]
+        if not present:
+            return
+        indices = [i for i, p in zip(b.indices, b.params) if p.grad is not None]
+        ok = policy.prepare(indices, [p.grad for p in present], lambda k: self.owner.param_name(present[k]))
+        if policy.hold:
+            self.held.append((b, present))
+            self.held_ok = self.held_ok and ok
+        elif ok:
+            self.step_bucket(b)
+        else:
+            policy.stats.params_skipped += len(present)
+            for p in present:
+                p.grad = None
 
     def step_bucket(self, b: _Bucket) -> None:
+        if not self.pre_hooks_fired:
+            self.pre_hooks_fired = True
+            self.owner._begin_training_step()
+        t0 = time.perf_counter()
+        stepped = [p for p in b.params if p.grad is not None]
         try:
             for step, inner, pairs in b.steppers:
                 for inner_group, group, overrides in pairs:
@@ -180,22 +219,37 @@ class Engine:
                 step(inner)
         finally:
             b.arrived = 0
-        if self.owner._bucket_step_hooks:
-            stepped = [p for p in b.params if p.grad is not None]
-            for hook in self.owner._bucket_step_hooks.values():
-                hook(stepped)
+        for hook in self.owner._bucket_step_hooks.values():
+            hook(stepped)
         for p in b.params:
             p.grad = None
+        stats = self.policy.stats
+        stats.params_stepped += len(stepped)
+        stats.step_time_s += time.perf_counter() - t0
 
     def _end_of_backward(self, tid: int) -> None:
         if tid != self.task:
             _refuse_nested_backward()
+        if not self.stepping:
+            return
         if self.open:
             self._close_open_bucket()
         for b in self.buckets:
             if b.arrived:
-                self.step_bucket(b)
-        self.owner._end_training_step()
+                self.complete(b)
+        if self.held:
+            held, self.held = self.held, []
+            ok = self.held_ok and self.policy.finish_held([p.grad for _, present in held for p in present])
+            for b, present in held:
+                if ok:
+                    self.step_bucket(b)
+                else:
+                    self.policy.stats.params_skipped += len(present)
+                    for p in present:
+                        p.grad = None
+        self.policy.end(self.owner)
+        if self.pre_hooks_fired:
+            self.owner._end_training_step()
 
     # -- inner optimizers ---------------------------------------------------------------------------------------
     def _build_steppers(self, b: _Bucket) -> None:

@@ -7,9 +7,10 @@ the gradients of a bucket are ready, and those gradients are freed at once.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from collections import OrderedDict
 from itertools import chain
 from typing import Any, Callable
@@ -20,6 +21,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 from torch.utils.hooks import RemovableHandle
 
 from dist_optim._engine import Engine, check_unowned, release, unwrapped_step
+from dist_optim._grad_policy import GradPolicy, StepStats
 
 __all__: list[str] = []
 
@@ -132,13 +134,34 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         per_parameter: step each parameter on its own as soon as its gradient is ready (least memory, slowest).
         allow_local_steps: in a multi-rank job, step plain tensors on their local, un-reduced gradients (local
             SGD). Without it such a job is refused.
+        accumulation_steps: step on every ``accumulation_steps``-th backward only; the backwards between
+            accumulate into ``.grad`` (scale the losses yourself, as in the standard loop). See also
+            :meth:`no_step`; :meth:`step` steps whatever has accumulated (e.g. at the end of an epoch).
+        max_grad_norm: clip gradients by norm before stepping, in the way ``clip_mode`` says.
+        clip_mode: ``"exact"``: ``clip_grad_norm_`` semantics on the global norm; the gradients of the whole
+            step are held until backward ends (no memory saving, the norms are still measured as buckets complete).
+            ``"per_parameter"``: each tensor clipped by its own norm, stepped at once. ``"previous_norm"``: each
+            bucket clipped with the global norm of the previous step (no clipping on the first step).
+        grad_norm_type: the norm's type, as for ``clip_grad_norm_``.
+        max_grad_value: clamp every gradient element to ``[-max_grad_value, max_grad_value]``
+            (``clip_grad_value_``), after any norm clipping.
+        track_grad_norm: measure the global gradient norm every step (:attr:`grad_norm`), at the cost of one read
+            of the gradients; always on when a global-norm clipping mode is set.
+        grad_scaler: a ``torch.amp.GradScaler`` whose ``scale(loss)`` produced the backward: gradients are
+            unscaled inside backward and checked; ``scaler.update()`` then works as usual.
+        overflow: with ``grad_scaler``: ``"exact"`` holds the step's gradients until backward ends and steps all
+            or nothing, like ``scaler.step``; ``"per_bucket"`` skips only the buckets that overflow (earlier
+            buckets keep their step) and keeps the memory saving.
+        nonfinite: without a scaler: ``"ignore"`` (the standard loop's behaviour), ``"skip"`` (buckets with a
+            non-finite gradient are not stepped, counted in :attr:`last_step`; the whole step when gradients are
+            held) or ``"raise"`` (``FloatingPointError`` naming the parameters).
         **optimizer_kwargs: options of ``optimizer_class`` (``lr``, ``weight_decay``, ...), checked by
             ``optimizer_class`` itself at construction.
 
     Raises:
         TypeError: ``optimizer_class`` is not an optimizer class, or ``optimizer_kwargs`` has an unknown option.
         ValueError: a tensor is not a leaf, does not require grad, or is given twice; the optimizer needs a
-            closure (LBFGS); ``bucket_cap_mb`` is not positive.
+            closure (LBFGS); an engine option is out of range.
         RuntimeError: a multi-rank process group is initialised and ``allow_local_steps`` is not set.
 
     Example:
@@ -161,11 +184,32 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         per_parameter: bool = False,
         allow_local_steps: bool = False,
+        accumulation_steps: int = 1,
+        max_grad_norm: float | None = None,
+        clip_mode: str = "exact",
+        grad_norm_type: float = 2.0,
+        max_grad_value: float | None = None,
+        track_grad_norm: bool = False,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        overflow: str = "exact",
+        nonfinite: str = "ignore",
         **optimizer_kwargs: Any,
     ) -> None:
         check_optimizer_class(optimizer_class)
         if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        if not (isinstance(accumulation_steps, int) and accumulation_steps >= 1):
+            raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
+        policy = GradPolicy(
+            max_grad_norm=max_grad_norm,
+            clip_mode=clip_mode,
+            grad_norm_type=grad_norm_type,
+            max_grad_value=max_grad_value,
+            grad_scaler=grad_scaler,
+            overflow=overflow,
+            nonfinite=nonfinite,
+            track_grad_norm=track_grad_norm,
+        )
         if isinstance(params, nn.Module):
             _check_sparse_modules(params, optimizer_class)
             params = _module_params(params)
@@ -188,7 +232,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._finishing = False
         # Internal: called after each bucket step with the tensors just stepped (in-backward averaging uses it).
         self._bucket_step_hooks: dict[int, Callable[[list[torch.Tensor]], None]] = OrderedDict()
-        self._engine = Engine(self, int(bucket_cap_mb * 2**20), per_parameter)
+        self._accumulation_steps = accumulation_steps
+        self._micro_batches = 0  # backwards accumulated since the last step
+        self._no_step_depth = 0
+        self._engine = Engine(self, int(bucket_cap_mb * 2**20), per_parameter, policy)
         defaults = self._probe_defaults(groups)
         try:
             super().__init__(groups, defaults)
@@ -259,6 +306,57 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         return "<unknown>"
 
     # -- the training step --------------------------------------------------------------------------------------
+    def _backward_steps(self) -> bool:
+        """Called once at the start of every backward: does this one step, or accumulate a micro-batch?"""
+        if self._no_step_depth:
+            return False
+        self._micro_batches += 1
+        if self._micro_batches < self._accumulation_steps:
+            return False
+        self._micro_batches = 0
+        return True
+
+    @contextlib.contextmanager
+    def no_step(self) -> Iterator[None]:
+        """Backwards inside this context only accumulate gradients into ``.grad``: nothing is stepped or freed, and
+        they do not count towards ``accumulation_steps``. The first backward outside it steps on the sum, like
+        DDP's ``no_sync()``.
+
+        Example:
+            >>> import torch, dist_optim
+            >>> model = torch.nn.Linear(3, 1)
+            >>> opt = dist_optim.InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+            >>> with opt.no_step():
+            ...     model(torch.ones(2, 3)).sum().backward()  # accumulates
+            >>> model.weight.grad is not None
+            True
+            >>> model(torch.ones(2, 3)).sum().backward()  # steps on both micro-batches, frees the gradients
+            >>> model.weight.grad is None
+            True
+        """
+        self._no_step_depth += 1
+        try:
+            yield
+        finally:
+            self._no_step_depth -= 1
+
+    @property
+    def micro_batches(self) -> int:
+        """Backwards accumulated since the last step (``0`` right after a step)."""
+        return self._micro_batches
+
+    @property
+    def last_step(self) -> StepStats:
+        """Telemetry of the last training step: grad norm, tensors stepped and skipped, overflow, step time."""
+        return self._engine.policy.stats
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """Total norm of the gradients of the last step, measured inside backward before any step or clipping
+        (the value ``clip_grad_norm_`` would have returned); ``None`` unless ``track_grad_norm=True`` or a
+        global-norm ``max_grad_norm`` is set."""
+        return self._engine.policy.stats.grad_norm
+
     def _begin_training_step(self) -> None:
         for hook in chain(_global_optimizer_pre_hooks.values(), self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
@@ -292,9 +390,11 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if any(p.grad is not None for g in self.param_groups for p in g["params"]):
-            self._begin_training_step()
-            self._step_standard()
-            self._run_post_hooks()
+            self._micro_batches = 0
+            if self._apply_policy_to_pending():
+                self._begin_training_step()
+                self._step_standard()
+                self._run_post_hooks()
         return loss
 
     step.hooked = True  # type: ignore[attr-defined]  # we fire step hooks ourselves, once per training step
@@ -302,6 +402,25 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     def _run_post_hooks(self) -> None:
         for hook in chain(self._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()):
             hook(self, (), {})
+
+    def _apply_policy_to_pending(self) -> bool:
+        """Unscale/check/clip the pending gradients as one bucket; ``False`` if the step must be skipped."""
+        policy = self._engine.policy
+        policy.begin()
+        pending = [(i, p) for i, p in enumerate(self._engine.params) if p.grad is not None]
+        ok = True
+        if policy.active and pending:
+            grads = [p.grad for _, p in pending]
+            ok = policy.prepare([i for i, _ in pending], grads, lambda k: self.param_name(pending[k][1]))
+            if policy.hold:
+                ok = ok and policy.finish_held(grads)
+        policy.stats.params_stepped = len(pending) if ok else 0
+        policy.stats.params_skipped = 0 if ok else len(pending)
+        policy.end(self)
+        if not ok:
+            for _, p in pending:
+                p.grad = None
+        return ok
 
     def _step_standard(self) -> None:
         """One standard step over the current groups and state (both may be swapped in from outside)."""

@@ -1,0 +1,217 @@
+"""What happens to a bucket's gradients between backward and the step: unscale, check, measure, clip.
+
+One ``GradPolicy`` per optimizer. The engine hands it each completed bucket (``prepare``); where the decision
+needs every gradient of the step (exact global-norm clipping, all-or-nothing fp16 overflow), the engine holds the
+buckets and asks ``finish_held`` at the end of backward. Arithmetic follows torch's own helpers
+(``clip_grad_norm_``, ``clip_grad_value_``, ``GradScaler.unscale_``), so results match the standard loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__: list[str] = []
+
+CLIP_MODES = ("exact", "per_parameter", "previous_norm")
+OVERFLOW_MODES = ("exact", "per_bucket")
+NONFINITE_MODES = ("ignore", "skip", "raise")
+
+
+@dataclass
+class StepStats:
+    """Telemetry of the last training step, read from ``InBackwardOptimizer.last_step``.
+
+    Attributes:
+        grad_norm: total norm of all gradients before any step or clipping (a 0-d tensor), as
+            ``torch.nn.utils.clip_grad_norm_`` returns it; ``None`` when not tracked.
+        clip_coef: the factor the gradients were multiplied by (global-norm modes), ``None`` if none applied.
+        params_stepped: tensors stepped.
+        params_skipped: tensors whose gradients were present but not stepped (non-finite, fp16 overflow).
+        overflow: whether a non-finite gradient was found (GradScaler overflow or ``nonfinite`` check).
+        step_time_s: host time spent in the optimizer's steps and gradient transforms (launch time on GPUs).
+    """
+
+    grad_norm: torch.Tensor | None = None
+    clip_coef: torch.Tensor | None = None
+    params_stepped: int = 0
+    params_skipped: int = 0
+    overflow: bool = False
+    step_time_s: float = 0.0
+
+
+class GradPolicy:
+    def __init__(
+        self,
+        *,
+        max_grad_norm: float | None,
+        clip_mode: str,
+        grad_norm_type: float,
+        max_grad_value: float | None,
+        grad_scaler: Any,
+        overflow: str,
+        nonfinite: str,
+        track_grad_norm: bool,
+    ) -> None:
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}")
+        if max_grad_value is not None and not (isinstance(max_grad_value, (int, float)) and max_grad_value > 0):
+            raise ValueError(f"max_grad_value must be a number > 0 or None, got {max_grad_value!r}")
+        for name, value, allowed in (
+            ("clip_mode", clip_mode, CLIP_MODES),
+            ("overflow", overflow, OVERFLOW_MODES),
+            ("nonfinite", nonfinite, NONFINITE_MODES),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        grad_norm_type = float(grad_norm_type)
+        if not (grad_norm_type > 0):
+            raise ValueError(f"grad_norm_type must be > 0 (or inf), got {grad_norm_type!r}")
+        if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
+        if grad_scaler is not None and nonfinite != "ignore":
+            raise ValueError("with a grad_scaler, overflows are the scaler's business: leave nonfinite='ignore'")
+        self.max_grad_norm = max_grad_norm
+        self.clip_mode = clip_mode
+        self.norm_type = grad_norm_type
+        self.max_grad_value = max_grad_value
+        self.scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
+        self.overflow_mode = overflow
+        self.nonfinite = nonfinite
+        clip_global = max_grad_norm is not None and clip_mode != "per_parameter"
+        self.track_norm = track_grad_norm or clip_global
+        self.hold = (max_grad_norm is not None and clip_mode == "exact") or (
+            self.scaler is not None and overflow == "exact"
+        )
+        self.active = self.track_norm or self.hold or self.scaler is not None or max_grad_norm is not None or (
+            max_grad_value is not None or nonfinite != "ignore"
+        )
+        self.previous_norm: torch.Tensor | None = None
+        self.stats = StepStats()
+        self._norms: dict[int, torch.Tensor] = {}
+        self._found_inf: torch.Tensor | None = None
+        self._inv_scale: torch.Tensor | None = None
+        self._started = 0.0
+
+    # -- per training step --------------------------------------------------------------------------------------
+    def begin(self) -> None:
+        self.stats = StepStats()
+        self._norms.clear()
+        self._found_inf = None
+        if self.scaler is not None:
+            scale = self.scaler._scale  # set by scaler.scale(loss), which ran before this backward
+            if scale is None:
+                raise RuntimeError("grad_scaler is set but scaler.scale(loss) was not used for this backward")
+            self._inv_scale = scale.double().reciprocal().float()
+            self._found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+
+    def prepare(self, indices: list[int], grads: list[torch.Tensor], describe) -> bool:
+        """Unscale, check and measure one bucket's gradients; ``False`` if the bucket must not be stepped."""
+        t0 = time.perf_counter()
+        ok = True
+        if self.scaler is not None:
+            found = torch.zeros_like(self._found_inf)
+            for device_grads, inv in _by_device(grads, self._inv_scale):
+                torch._amp_foreach_non_finite_check_and_unscale_(device_grads, found, inv)
+            self._found_inf.add_(found)  # the scaler only needs "any"
+            if self.overflow_mode == "per_bucket" and found.item():
+                ok = False
+        norms = None
+        if self.track_norm or self.nonfinite != "ignore" or (self.max_grad_norm and self.clip_mode == "per_parameter"):
+            norms = torch._foreach_norm(grads, self.norm_type)
+            if self.track_norm:
+                for i, n in zip(indices, norms):
+                    self._norms[i] = n
+        if self.nonfinite != "ignore":
+            finite = torch.stack([n.to(norms[0].device) for n in norms]).isfinite()
+            if not bool(finite.all()):
+                self.stats.overflow = True
+                if self.nonfinite == "raise":
+                    bad = [describe(k) for k, f in enumerate(finite.tolist()) if not f]
+                    raise FloatingPointError(
+                        f"non-finite gradient for parameter(s) {', '.join(bad)} (nonfinite='raise'); use "
+                        "nonfinite='skip' to skip such steps and count them"
+                    )
+                ok = False
+        if ok and not self.hold:
+            self._clip_now(grads, norms)
+        self.stats.step_time_s += time.perf_counter() - t0
+        return ok
+
+    def _clip_now(self, grads: list[torch.Tensor], norms: list[torch.Tensor] | None) -> None:
+        if self.max_grad_norm is not None:
+            if self.clip_mode == "per_parameter":
+                for g, n in zip(grads, norms):
+                    # the arithmetic of clip_grad_norm_([p], max_norm) on one tensor
+                    total = torch.linalg.vector_norm(torch.stack([n]), self.norm_type)
+                    g.mul_(torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0))
+            elif self.clip_mode == "previous_norm" and self.previous_norm is not None:
+                coef = torch.clamp(self.max_grad_norm / (self.previous_norm + 1e-6), max=1.0)
+                self.stats.clip_coef = coef
+                _mul(grads, coef)
+        if self.max_grad_value is not None:
+            _clamp(grads, self.max_grad_value)
+
+    def finish_held(self, grads: list[torch.Tensor]) -> bool:
+        """For held buckets: decide the whole step, and clip every held gradient by the global norm."""
+        t0 = time.perf_counter()
+        if self.scaler is not None and self._found_inf.item():
+            self.stats.step_time_s += time.perf_counter() - t0
+            return False
+        if self.max_grad_norm is not None and self.clip_mode == "exact":
+            coef = torch.clamp(self.max_grad_norm / (self.total_norm() + 1e-6), max=1.0)
+            self.stats.clip_coef = coef
+            _mul(grads, coef)
+        if self.max_grad_value is not None:
+            _clamp(grads, self.max_grad_value)
+        self.stats.step_time_s += time.perf_counter() - t0
+        return True
+
+    def total_norm(self) -> torch.Tensor:
+        if not self._norms:
+            return torch.zeros(())
+        norms = [self._norms[i] for i in sorted(self._norms)]
+        first = norms[0].device
+        return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), self.norm_type)
+
+    def end(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.track_norm:
+            self.stats.grad_norm = self.total_norm()
+            self.previous_norm = self.stats.grad_norm
+        if self.scaler is not None:
+            self.stats.overflow = bool(self._found_inf.item())
+            _record_for_scaler(self.scaler, optimizer, self._found_inf)
+
+
+def _by_device(grads: list[torch.Tensor], inv_scale: torch.Tensor):
+    devices: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        devices.setdefault(g.device, []).append(g)
+    for device, device_grads in devices.items():
+        yield device_grads, inv_scale.to(device)
+
+
+def _mul(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    for g in grads:
+        g.mul_(coef.to(g.device))
+
+
+def _clamp(grads: list[torch.Tensor], value: float) -> None:
+    # clip_grad_value_'s arithmetic: clamp to [-value, value]
+    for g in grads:
+        g.clamp_(min=-value, max=value)
+
+
+def _record_for_scaler(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """Leave the scaler as ``scaler.unscale_(optimizer)`` would: ``scaler.update()`` backs off or grows from this
+    step's overflow, and a loop that still calls ``scaler.step(optimizer)`` keeps working. GradScaler has no public
+    way to report an inf check made elsewhere, hence its per-optimizer record."""
+    from torch.amp.grad_scaler import OptState
+
+    state = scaler._per_optimizer_states[id(optimizer)]
+    state["found_inf_per_device"] = {found_inf.device: found_inf}
+    state["stage"] = OptState.UNSCALED
+
