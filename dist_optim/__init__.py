@@ -2,6 +2,13 @@
 
 from dist_optim._grad_policy import StepStats
 from dist_optim._per_param import apply_optimizer_in_backward, get_in_backward_optimizers
+from dist_optim.averaging import average_in_backward
 from dist_optim.optimizer import InBackwardOptimizer
 
-__all__ = ["InBackwardOptimizer", "StepStats", "apply_optimizer_in_backward", "get_in_backward_optimizers"]
+__all__ = [
+    "InBackwardOptimizer",
+    "StepStats",
+    "apply_optimizer_in_backward",
+    "average_in_backward",
+    "get_in_backward_optimizers",
+]
