@@ -1,7 +1,7 @@
 """The in-backward engine: one post-accumulate-grad hook per parameter, buckets, end-of-backward flush.
 
 Buckets are learned online, in the order gradients arrive: a parameter with no bucket yet joins the open bucket,
-which is stepped and frozen as soon as it holds ``cap_bytes`` of gradients. Frozen buckets step when their last
+which is frozen and stepped when the next gradient would not fit in ``cap_bytes`` (or when it is full). Frozen buckets step when their last
 gradient arrives; whatever is left when backward ends is stepped by a callback queued on the autograd engine.
 Hooks hold the engine weakly, so a dropped optimizer never keeps a model alive through its parameters.
 """
@@ -11,12 +11,14 @@ from __future__ import annotations
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
-from torch.utils.weak import WeakTensorKeyDictionary
+
+from dist_optim._kernels import unwrapped_step
+from dist_optim._owners import record_owner
 
 if TYPE_CHECKING:
     from dist_optim._grad_policy import GradPolicy
@@ -24,50 +26,8 @@ if TYPE_CHECKING:
 
 __all__: list[str] = []
 
-# param -> (weakref to what steps it in backward, its hook's handle). The value never refers to its key (a handle
-# holds its hooks dict weakly), so the map keeps nothing alive.
-_OWNERS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-
-
-def check_unowned(params: Iterable[torch.Tensor], owner: object, describe: Callable[[torch.Tensor], str]) -> None:
-    """Refuse a parameter that another live owner steps in backward; detach the hooks of dead owners."""
-    for p in params:
-        entry = _OWNERS.get(p)
-        if entry is None:
-            continue
-        other = entry[0]()
-        if other is None:
-            entry[1].remove()
-            del _OWNERS[p]
-        elif other is not owner:
-            raise ValueError(
-                f"parameter {describe(p)} is already stepped in backward by {type(other).__name__} at "
-                f"{hex(id(other))}; a gradient can be consumed only once. Put it in one optimizer (param groups "
-                "may carry their own 'optimizer_class'), or call .remove() on the other one first"
-            )
-
-
-def record_owner(p: torch.Tensor, owner: object, handle: RemovableHandle) -> None:
-    _OWNERS[p] = (weakref.ref(owner), handle)
-
-
-def release(params: Iterable[torch.Tensor], owner: object) -> None:
-    for p in params:
-        entry = _OWNERS.get(p)
-        if entry is not None and entry[0]() is owner:
-            del _OWNERS[p]
-
 _task_id: Callable[[], int] = torch._C._current_graph_task_id
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
-
-
-def unwrapped_step(optimizer_class: type[torch.optim.Optimizer]) -> Callable[..., Any]:
-    """``optimizer_class.step`` without torch's profiling wrapper, whose global step hooks must fire once per
-    training step with the facade as argument, never once per bucket with an inner optimizer."""
-    step = optimizer_class.step
-    if getattr(step, "hooked", False):
-        return step.__wrapped__  # type: ignore[attr-defined]
-    return step
 
 
 class _Bucket:

@@ -15,8 +15,8 @@ import torch
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from dist_optim._engine import check_unowned, record_owner
-from dist_optim.optimizer import check_optimizer_class, check_single_process, check_tensor
+from dist_optim._inputs import check_optimizer_class, check_single_process, check_tensor
+from dist_optim._owners import check_unowned, record_owner
 
 __all__: list[str] = []
 

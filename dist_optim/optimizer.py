@@ -8,110 +8,32 @@ the gradients of a bucket are ready, and those gradients are freed at once.
 from __future__ import annotations
 
 import contextlib
-import inspect
-import logging
-from collections.abc import Iterable, Iterator
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from itertools import chain
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 from torch.utils.hooks import RemovableHandle
 
-from dist_optim._engine import Engine, check_unowned, release, unwrapped_step
+from dist_optim._engine import Engine
 from dist_optim._grad_policy import GradPolicy, StepStats
+from dist_optim._inputs import (
+    as_list,
+    check_optimizer_class,
+    check_single_process,
+    check_sparse_modules,
+    check_tensor,
+    module_params,
+)
+from dist_optim._kernels import implementation, unwrapped_step
+from dist_optim._owners import check_unowned, release
 
 __all__: list[str] = []
 
-logger = logging.getLogger(__name__)
-
 DEFAULT_BUCKET_CAP_MB = 4.0
-
-def check_optimizer_class(optimizer_class: Any) -> None:
-    if isinstance(optimizer_class, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer_class must be an optimizer class, got an instance of {type(optimizer_class).__name__}; "
-            f"pass the class and its options, e.g. InBackwardOptimizer(params, torch.optim."
-            f"{type(optimizer_class).__name__}, lr=...)"
-        )
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-        raise TypeError(
-            f"optimizer_class must be a subclass of torch.optim.Optimizer, got {optimizer_class!r}; "
-            "pass a class such as torch.optim.AdamW"
-        )
-    closure = inspect.signature(optimizer_class.step).parameters.get("closure")
-    if closure is not None and closure.default is inspect.Parameter.empty:
-        raise ValueError(
-            f"{optimizer_class.__name__} needs a closure that re-evaluates the loss, which cannot run inside "
-            "backward; use it with a standard training loop"
-        )
-
-
-def check_tensor(p: Any, name: str) -> None:
-    if not isinstance(p, torch.Tensor):
-        raise TypeError(f"optimizer can only optimize Tensors, but {name} is a {torch.typename(p)}")
-    if not p.is_leaf:
-        raise ValueError(
-            f"can't optimize a non-leaf Tensor ({name}); pass leaf tensors such as nn.Parameter, or call "
-            ".detach().requires_grad_() on it"
-        )
-    if not p.requires_grad:
-        raise ValueError(
-            f"{name} does not require grad, so its step would never fire in backward; leave frozen tensors out "
-            "(e.g. [p for p in model.parameters() if p.requires_grad]) or pass the nn.Module, which skips them"
-        )
-
-
-_SPARSE_CAPABLE = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam)
-
-
-def _check_sparse_modules(module: nn.Module, optimizer_class: type[torch.optim.Optimizer]) -> None:
-    for name, m in module.named_modules():
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
-            if not issubclass(optimizer_class, _SPARSE_CAPABLE):
-                raise ValueError(
-                    f"{name or type(m).__name__} makes sparse gradients (sparse=True), which "
-                    f"{optimizer_class.__name__} cannot step; use torch.optim.SparseAdam, SGD or Adagrad for it "
-                    "(a param group may carry its own 'optimizer_class'), or build the embedding with sparse=False"
-                )
-
-
-def _module_params(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    if isinstance(module, nn.parallel.DistributedDataParallel) or _is_fsdp(module):
-        raise NotImplementedError(
-            f"{type(module).__name__} models are not supported by this version of dist_optim: stepping in "
-            "backward there needs the reduced gradient. Use a standard optimizer with this wrapper for now"
-        )
-    named = []
-    for name, p in module.named_parameters():
-        if p.requires_grad:
-            named.append((name, p))
-        else:
-            logger.debug("skipping frozen parameter %s", name)
-    if not named:
-        raise ValueError(f"{type(module).__name__} has no parameter that requires grad")
-    return named
-
-
-def _is_fsdp(module: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    except ImportError:  # torch built without distributed
-        return False
-    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in module.modules())
-
-
-def check_single_process(allow_local_steps: bool) -> None:
-    dist = torch.distributed
-    if allow_local_steps or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    raise RuntimeError(
-        f"a process group with {dist.get_world_size()} ranks is initialised, but these parameters are not "
-        "wrapped for data parallelism, so each rank would step on its own local, un-reduced gradient and the "
-        "replicas would drift apart. Pass allow_local_steps=True if local steps are what you want (local SGD)"
-    )
 
 
 class InBackwardOptimizer(torch.optim.Optimizer):
@@ -211,8 +133,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             track_grad_norm=track_grad_norm,
         )
         if isinstance(params, nn.Module):
-            _check_sparse_modules(params, optimizer_class)
-            params = _module_params(params)
+            check_sparse_modules(params, optimizer_class)
+            params = module_params(params)
         check_single_process(allow_local_steps)
         if isinstance(params, torch.Tensor):
             raise TypeError(
@@ -224,7 +146,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             raise ValueError("InBackwardOptimizer got an empty parameter list")
         if not isinstance(groups[0], dict):
             groups = [{"params": groups}]
-        groups = [{**g, "params": _as_list(g["params"])} if isinstance(g, dict) and "params" in g else g for g in groups]
+        groups = [{**g, "params": as_list(g["params"])} if isinstance(g, dict) and "params" in g else g for g in groups]
         self._optimizer_class = optimizer_class
         self._optimizer_kwargs = dict(optimizer_kwargs)
         self._group_classes: list[type[torch.optim.Optimizer]] = []
@@ -268,7 +190,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         check_optimizer_class(cls)
         if "params" not in group:
             raise ValueError(f"param group {len(self.param_groups)} has no 'params' key")
-        entries = _as_list(group["params"])
+        entries = as_list(group["params"])
         if not entries:
             raise ValueError(f"param group {len(self.param_groups)} has an empty 'params' list")
         known = {id(p) for g in self.param_groups for p in g["params"]}
@@ -286,7 +208,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self.state.update(probe.state)  # state some classes create at construction (Adagrad's sum)
         self.param_groups.append(filled)
         self._group_classes.append(cls)
-        self._overrides.append(_implementation(cls, filled, self._kwargs_for(cls)))
+        self._overrides.append(implementation(cls, filled, self._kwargs_for(cls)))
         self._engine.add_params(len(self.param_groups) - 1, filled["params"])
 
     def _register_bucket_step_hook(self, hook: Callable[[list[torch.Tensor]], None]) -> RemovableHandle:
@@ -444,7 +366,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         """Load a state dict written by this class or by ``optimizer_class`` itself (same format)."""
         super().load_state_dict(state_dict)
         self._overrides = [
-            _implementation(cls, g, self._kwargs_for(cls)) for cls, g in zip(self._group_classes, self.param_groups)
+            implementation(cls, g, self._kwargs_for(cls)) for cls, g in zip(self._group_classes, self.param_groups)
         ]
         self._engine.rebind()
 
@@ -453,46 +375,3 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         one: :meth:`step` steps whatever gradients are present."""
         self._engine.remove()
         release((p for g in getattr(self, "param_groups", []) for p in g["params"]), self)
-
-
-def _as_list(params: Any) -> list[Any]:
-    if isinstance(params, torch.Tensor):
-        return [params]
-    if isinstance(params, set):
-        raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
-                        "tensors in sets will change between runs. Please use a list instead.")
-    return list(params)
-
-
-def _implementation(cls: type[torch.optim.Optimizer], group: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Pick ``fused`` (else ``foreach``) for a group whose user left both unset, if it runs on these tensors."""
-    if group.get("fused") is not None or group.get("foreach") is not None or group.get("differentiable"):
-        return {}
-    for flag in ("fused", "foreach"):
-        if flag == "fused" and issubclass(cls, torch.optim.SGD):
-            # torch's fused SGD fails on a group where some momentum buffers exist and some do not yet (a parameter
-            # unused so far, or a layer added to a resumed model), which foreach and the for-loop handle.
-            continue
-        if flag in group and _runs(cls, group, kwargs, flag):
-            return {flag: True}
-    return {}
-
-
-def _runs(cls: type[torch.optim.Optimizer], group: dict[str, Any], kwargs: dict[str, Any], flag: str) -> bool:
-    """Whether ``cls`` steps with ``flag=True`` on tiny tensors like this group's (some refuse only at step)."""
-    probes = []
-    seen = set()
-    for p in group["params"]:
-        key = (p.dtype, p.device, p.ndim, type(p))
-        if key not in seen:
-            seen.add(key)
-            probe = torch.zeros([1] * p.ndim, dtype=p.dtype, device=p.device, requires_grad=True)
-            probe.grad = torch.zeros_like(probe)
-            probes.append(probe)
-    hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-    try:
-        opt = cls([{**hyper, "params": probes, flag: True}], **kwargs)
-        unwrapped_step(cls)(opt)
-    except (RuntimeError, ValueError, TypeError, NotImplementedError):
-        return False
-    return True

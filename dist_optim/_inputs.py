@@ -1,0 +1,112 @@
+"""What the user passes in: checks that refuse bad input at construction, naming the value and the fix.
+
+Optimizer classes, tensors, modules (frozen parameters skipped, wrappers not supported yet refused) and the
+multi-rank guard that keeps plain hooks from stepping on un-reduced gradients.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__: list[str] = []
+
+logger = logging.getLogger("dist_optim.optimizer")
+
+
+def check_optimizer_class(optimizer_class: Any) -> None:
+    if isinstance(optimizer_class, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer_class must be an optimizer class, got an instance of {type(optimizer_class).__name__}; "
+            f"pass the class and its options, e.g. InBackwardOptimizer(params, torch.optim."
+            f"{type(optimizer_class).__name__}, lr=...)"
+        )
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(
+            f"optimizer_class must be a subclass of torch.optim.Optimizer, got {optimizer_class!r}; "
+            "pass a class such as torch.optim.AdamW"
+        )
+    closure = inspect.signature(optimizer_class.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(
+            f"{optimizer_class.__name__} needs a closure that re-evaluates the loss, which cannot run inside "
+            "backward; use it with a standard training loop"
+        )
+
+
+def check_tensor(p: Any, name: str) -> None:
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"optimizer can only optimize Tensors, but {name} is a {torch.typename(p)}")
+    if not p.is_leaf:
+        raise ValueError(
+            f"can't optimize a non-leaf Tensor ({name}); pass leaf tensors such as nn.Parameter, or call "
+            ".detach().requires_grad_() on it"
+        )
+    if not p.requires_grad:
+        raise ValueError(
+            f"{name} does not require grad, so its step would never fire in backward; leave frozen tensors out "
+            "(e.g. [p for p in model.parameters() if p.requires_grad]) or pass the nn.Module, which skips them"
+        )
+
+
+_SPARSE_CAPABLE = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam)
+
+
+def check_sparse_modules(module: nn.Module, optimizer_class: type[torch.optim.Optimizer]) -> None:
+    for name, m in module.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
+            if not issubclass(optimizer_class, _SPARSE_CAPABLE):
+                raise ValueError(
+                    f"{name or type(m).__name__} makes sparse gradients (sparse=True), which "
+                    f"{optimizer_class.__name__} cannot step; use torch.optim.SparseAdam, SGD or Adagrad for it "
+                    "(a param group may carry its own 'optimizer_class'), or build the embedding with sparse=False"
+                )
+
+
+def module_params(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(module, nn.parallel.DistributedDataParallel) or _is_fsdp(module):
+        raise NotImplementedError(
+            f"{type(module).__name__} models are not supported by this version of dist_optim: stepping in "
+            "backward there needs the reduced gradient. Use a standard optimizer with this wrapper for now"
+        )
+    named = []
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            named.append((name, p))
+        else:
+            logger.debug("skipping frozen parameter %s", name)
+    if not named:
+        raise ValueError(f"{type(module).__name__} has no parameter that requires grad")
+    return named
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # torch built without distributed
+        return False
+    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in module.modules())
+
+
+def check_single_process(allow_local_steps: bool) -> None:
+    dist = torch.distributed
+    if allow_local_steps or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    raise RuntimeError(
+        f"a process group with {dist.get_world_size()} ranks is initialised, but these parameters are not "
+        "wrapped for data parallelism, so each rank would step on its own local, un-reduced gradient and the "
+        "replicas would drift apart. Pass allow_local_steps=True if local steps are what you want (local SGD)"
+    )
+
+
+def as_list(params: Any) -> list[Any]:
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if isinstance(params, set):
+        raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
+                        "tensors in sets will change between runs. Please use a list instead.")
+    return list(params)
