@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from dist_optim._inputs import is_dtensor
 from dist_optim._kernels import unwrapped_step
 from dist_optim._owners import record_owner
 
@@ -124,7 +125,8 @@ class Engine:
         p = self.params[i]
         if p.grad is not None and p.grad.is_sparse:
             self.sparse.add(i)
-        nbytes = p.numel() * p.element_size()
+        local = p.to_local() if is_dtensor(p) else p  # a shard holds only its part of the gradient
+        nbytes = local.numel() * local.element_size()
         if self.open and self.open_bytes + nbytes > self.cap_bytes:
             self._close_open_bucket()  # never exceed the cap: a tensor that does not fit starts the next bucket
         self.open.append(i)

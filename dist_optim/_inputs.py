@@ -68,10 +68,18 @@ def check_sparse_modules(module: nn.Module, optimizer_class: type[torch.optim.Op
 
 
 def module_params(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    if isinstance(module, nn.parallel.DistributedDataParallel) or _is_fsdp(module):
+    if isinstance(module, nn.parallel.DistributedDataParallel):
         raise NotImplementedError(
-            f"{type(module).__name__} models are not supported by this version of dist_optim: stepping in "
-            "backward there needs the reduced gradient. Use a standard optimizer with this wrapper for now"
+            "DistributedDataParallel models are not supported by this version of dist_optim: the step must run "
+            "after DDP's all-reduce, which needs a communication hook that is not built yet. Use fully_shard "
+            "(FSDP2), which is supported, or a standard optimizer with DDP"
+        )
+    fsdp1 = _fsdp1_module(module)
+    if fsdp1 is not None:
+        raise NotImplementedError(
+            f"FullyShardedDataParallel (FSDP1) is not supported ({type(fsdp1).__name__}): its parameters' "
+            "gradients never reach per-parameter hooks. Shard the model with torch.distributed.fsdp.fully_shard "
+            "(FSDP2), which is supported"
         )
     named = []
     for name, p in module.named_parameters():
@@ -84,22 +92,35 @@ def module_params(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
-def _is_fsdp(module: nn.Module) -> bool:
+def _fsdp1_module(module: nn.Module) -> nn.Module | None:
     try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # torch built without distributed
+        return None
+    return next((m for m in module.modules() if isinstance(m, FullyShardedDataParallel)), None)
+
+
+def is_dtensor(p: torch.Tensor) -> bool:
+    """A DTensor's gradient is produced by a distributed mechanism (FSDP2 reduce-scatters it before its hooks)."""
+    try:
+        from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed
         return False
-    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in module.modules())
+    return isinstance(p, DTensor)
 
 
-def check_single_process(allow_local_steps: bool) -> None:
+def check_single_process(allow_local_steps: bool, params: list[torch.Tensor] | None = None) -> None:
+    """Refuse plain tensors in a multi-rank job: their hooks would see the local, un-reduced gradient."""
     dist = torch.distributed
     if allow_local_steps or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
+    if params is not None and all(is_dtensor(p) for p in params):
+        return
     raise RuntimeError(
         f"a process group with {dist.get_world_size()} ranks is initialised, but these parameters are not "
-        "wrapped for data parallelism, so each rank would step on its own local, un-reduced gradient and the "
-        "replicas would drift apart. Pass allow_local_steps=True if local steps are what you want (local SGD)"
+        "sharded with fully_shard (FSDP2), so each rank would step on its own local, un-reduced gradient and the "
+        "replicas would drift apart. Shard the model with fully_shard, or pass allow_local_steps=True if local "
+        "steps are what you want (local SGD)"
     )
 
 

@@ -91,10 +91,10 @@ def apply_optimizer_in_backward(
         (True, 2)
     """
     check_optimizer_class(optimizer_class)
-    check_single_process(allow_local_steps)
     params = list(params)
     for k, p in enumerate(params):
         check_tensor(p, f"params[{k}]")
+    check_single_process(allow_local_steps, params)
     if register_hook:
         for p in params:
             check_unowned([p], _RECORDS.get(p), lambda t: f"of shape {tuple(t.shape)}")

@@ -26,6 +26,7 @@ from dist_optim._inputs import (
     check_single_process,
     check_sparse_modules,
     check_tensor,
+    is_dtensor,
     module_params,
 )
 from dist_optim._kernels import implementation, unwrapped_step
@@ -135,7 +136,6 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         if isinstance(params, nn.Module):
             check_sparse_modules(params, optimizer_class)
             params = module_params(params)
-        check_single_process(allow_local_steps)
         if isinstance(params, torch.Tensor):
             raise TypeError(
                 "params must be an iterable of Tensors, (name, Tensor) pairs or dicts, or an nn.Module, got a "
@@ -154,6 +154,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._finishing = False
         # Internal: called after each bucket step with the tensors just stepped (in-backward averaging uses it).
         self._bucket_step_hooks: dict[int, Callable[[list[torch.Tensor]], None]] = OrderedDict()
+        self._allow_local_steps = allow_local_steps
         self._accumulation_steps = accumulation_steps
         self._micro_batches = 0  # backwards accumulated since the last step
         self._no_step_depth = 0
@@ -200,6 +201,15 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             if id(p) in known:
                 raise ValueError(f"{name} appears in more than one place; each parameter may be given only once")
             known.add(id(p))
+        tensors = [e[1] if isinstance(e, tuple) else e for e in entries]
+        check_single_process(self._allow_local_steps, tensors)
+        if self._accumulation_steps > 1 and any(is_dtensor(p) for p in tensors):
+            raise NotImplementedError(
+                "accumulation_steps > 1 with DTensor (FSDP2) parameters: FSDP2 runs no gradient hook on the "
+                "micro-batches where it does not reduce, so they cannot be counted. Call "
+                "model.set_requires_gradient_sync(False) before the backwards that only accumulate and True before "
+                "the last one, with accumulation_steps=1 (or use opt.no_step(), which keeps reducing)"
+            )
         group["params"] = entries
         # The class fills its own defaults and checks its options (and the tensors) now, not at the first backward.
         probe = cls([group], **self._kwargs_for(cls))
