@@ -253,18 +253,20 @@ def quartiles(xs: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(xs), q[2]
 
 
-def time_interleaved(runs: dict[str, Callable[[], None]], args: argparse.Namespace) -> dict[str, Any]:
+def time_interleaved(
+    runs: dict[str, Callable[[], None]], args: argparse.Namespace, variants: tuple[str, ...] = VARIANTS
+) -> dict[str, Any]:
     """Interleaved, rotated repetitions of every variant; per-iteration medians and quartiles."""
-    samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    faults: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    faults: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(args.reps):
-        k = r % len(VARIANTS)
-        for name in VARIANTS[k:] + VARIANTS[:k]:
+        k = r % len(variants)
+        for name in variants[k:] + variants[:k]:
             dt, nf = time_block(runs[name], args.iters)
             samples[name].append(dt)
             faults[name].append(nf)
     out = {}
-    for name in VARIANTS:
+    for name in variants:
         q1, med, q3 = quartiles(samples[name])
         out[name] = {
             "median_s": med, "p25_s": q1, "p75_s": q3, "samples_s": samples[name],
@@ -518,19 +520,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
+class Run:
+    """What every benchmark does around its measurements: threads, allocator, a check that the machine is idle
+    before and during the run, and the wall time."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        torch.set_num_threads(args.threads)
+        self.busy_before = idle_check()
+        if self.busy_before is not None and self.busy_before > 0.1:
+            print(f"WARNING: other processes keep {self.busy_before:.0%} of the CPUs busy before the run; the "
+                  "timings will be noisy", file=sys.stderr)
+        self.pinned = pin_malloc() if args.malloc == "pinned" else None
+        if args.malloc == "pinned" and self.pinned is None:
+            print("--malloc pinned: not glibc, the allocator is left as it is", file=sys.stderr)
+        self.contention = Contention()
+        self.t0 = time.perf_counter()
+
+    def finish(self, results: dict[str, Any]) -> None:
+        results["wall_s"] = time.perf_counter() - self.t0
+        others = self.contention.others_fraction()
+        results["env"]["other_processes_cpu_fraction_before"] = self.busy_before
+        results["env"]["other_processes_cpu_fraction_during"] = others
+        if others is not None:
+            print(f"\nother processes used {others:.1%} of the CPUs during the run"
+                  + ("  <-- WARNING: contended, timings unreliable" if others > 0.05 else ""))
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
     wanted = [s for s in model_specs(args.quick) if s["name"] in args.models.split(",")]
-    busy_before = idle_check()
-    if busy_before is not None and busy_before > 0.1:
-        print(f"WARNING: other processes keep {busy_before:.0%} of the CPUs busy before the run; the timings will be "
-              "noisy", file=sys.stderr)
-    pinned = pin_malloc() if args.malloc == "pinned" else None
-    if args.malloc == "pinned" and pinned is None:
-        print("--malloc pinned: not glibc, the allocator is left as it is", file=sys.stderr)
-    contention = Contention()
-    t0 = time.perf_counter()
+    run = Run(args)
+    pinned = run.pinned
     print(f"bench_core ({'quick' if args.quick else 'full'}): torch {torch.__version__}, {torch.get_num_threads()} "
           f"threads, malloc {args.malloc if pinned or args.malloc == 'glibc' else 'as is'}, {args.reps} interleaved "
           f"reps x {args.iters} iterations, medians", flush=True)
@@ -564,13 +584,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["models"][name] = res
         print_model(name, res)
 
-    results["wall_s"] = time.perf_counter() - t0
-    others = contention.others_fraction()
-    results["env"]["other_processes_cpu_fraction_before"] = busy_before
-    results["env"]["other_processes_cpu_fraction_during"] = others
-    if others is not None:
-        print(f"\nother processes used {others:.1%} of the CPUs during the run"
-              + ("  <-- WARNING: contended, timings unreliable" if others > 0.05 else ""))
+    run.finish(results)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)

@@ -8,7 +8,6 @@ stepped this time and the buffers when the training step ends, bitwise as ``upda
 from __future__ import annotations
 
 import weakref
-from itertools import chain
 from typing import Any
 
 import torch
