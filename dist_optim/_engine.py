@@ -65,6 +65,10 @@ class Engine:
         self.pre_hooks_fired = False
         self.held: list[tuple[_Bucket, list[torch.Tensor]]] = []  # buckets waiting for a whole-step decision
         self.held_ok = True
+        self.index_of: dict[int, int] = {}  # id(param) -> index
+        self.hookless: set[int] = set()  # ids of parameters stepped by a communication hook, not their own hook
+        self.comm_buckets: dict[tuple[int, ...], _Bucket] = {}  # a DDP bucket's parameter ids -> its bucket
+        self.comm: Any = None  # the DDP communication hook, if any: finish() completes its pending buckets
 
     # -- registration -------------------------------------------------------------------------------------------
     def add_params(self, group_index: int, params: list[torch.Tensor]) -> None:
@@ -74,8 +78,10 @@ class Engine:
             self.params.append(p)
             self.group_of.append(group_index)
             self.bucket_of.append(None)
-            handle = p.register_post_accumulate_grad_hook(_make_hook(ref, i))
-            self.handles.append(handle)
+            self.index_of[id(p)] = i
+            handle = None if id(p) in self.hookless else p.register_post_accumulate_grad_hook(_make_hook(ref, i))
+            if handle is not None:
+                self.handles.append(handle)
             record_owner(p, self.owner, handle)
 
     def remove(self) -> None:
@@ -85,7 +91,7 @@ class Engine:
 
     def rebind(self) -> None:
         """Rebuild every bucket's inner optimizers after the owner's groups or state were replaced."""
-        for b in self.buckets:
+        for b in (*self.buckets, *self.comm_buckets.values()):
             self._build_steppers(b)
 
     # -- the hot path -------------------------------------------------------------------------------------------
@@ -102,6 +108,21 @@ class Engine:
         b.arrived += 1
         if b.arrived == b.size:
             self.complete(b)
+
+    def comm_bucket(self, params: list[torch.Tensor]) -> _Bucket:
+        """The bucket of a communication hook's parameters (DDP rebuilds its buckets once, after iteration 0)."""
+        key = tuple(id(p) for p in params)
+        b = self.comm_buckets.get(key)
+        if b is None:
+            indices = [self.index_of[k] for k in key]
+            b = self.comm_buckets[key] = _Bucket(indices, list(params))
+            self._build_steppers(b)
+        return b
+
+    def begin_if_new(self) -> None:
+        tid = _task_id()
+        if tid != self.task:
+            self._begin(tid)
 
     def _begin(self, tid: int) -> None:
         if tid == self.previous_task:
@@ -194,6 +215,8 @@ class Engine:
             _refuse_nested_backward()
         if not self.stepping:
             return
+        if self.comm is not None:
+            self.comm.finish()
         if self.open:
             self._close_open_bucket()
         for b in self.buckets:

@@ -68,12 +68,6 @@ def check_sparse_modules(module: nn.Module, optimizer_class: type[torch.optim.Op
 
 
 def module_params(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    if isinstance(module, nn.parallel.DistributedDataParallel):
-        raise NotImplementedError(
-            "DistributedDataParallel models are not supported by this version of dist_optim: the step must run "
-            "after DDP's all-reduce, which needs a communication hook that is not built yet. Use fully_shard "
-            "(FSDP2), which is supported, or a standard optimizer with DDP"
-        )
     fsdp1 = _fsdp1_module(module)
     if fsdp1 is not None:
         raise NotImplementedError(
@@ -117,10 +111,11 @@ def check_single_process(allow_local_steps: bool, params: list[torch.Tensor] | N
     if params is not None and all(is_dtensor(p) for p in params):
         return
     raise RuntimeError(
-        f"a process group with {dist.get_world_size()} ranks is initialised, but these parameters are not "
-        "sharded with fully_shard (FSDP2), so each rank would step on its own local, un-reduced gradient and the "
-        "replicas would drift apart. Shard the model with fully_shard, or pass allow_local_steps=True if local "
-        "steps are what you want (local SGD)"
+        f"a process group with {dist.get_world_size()} ranks is initialised, but these parameters are neither "
+        "sharded with fully_shard (FSDP2) nor given as a DistributedDataParallel model, so each rank would step "
+        "on its own local, un-reduced gradient and the replicas would drift apart. Pass the DDP-wrapped model "
+        "itself (not its .parameters()), shard with fully_shard, or pass allow_local_steps=True if local steps are "
+        "what you want (local SGD)"
     )
 
 

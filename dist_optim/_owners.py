@@ -28,7 +28,8 @@ def check_unowned(params: Iterable[torch.Tensor], owner: object, describe: Calla
             continue
         other = entry[0]()
         if other is None:
-            entry[1].remove()
+            if entry[1] is not None:
+                entry[1].remove()
             del _OWNERS[p]
         elif other is not owner:
             raise ValueError(
@@ -38,7 +39,7 @@ def check_unowned(params: Iterable[torch.Tensor], owner: object, describe: Calla
             )
 
 
-def record_owner(p: torch.Tensor, owner: object, handle: RemovableHandle) -> None:
+def record_owner(p: torch.Tensor, owner: object, handle: RemovableHandle | None) -> None:
     _OWNERS[p] = (weakref.ref(owner), handle)
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 from torch.utils.hooks import RemovableHandle
 
+from dist_optim._ddp import DDPCommHook, check_ddp, ddp_managed
 from dist_optim._engine import Engine
 from dist_optim._grad_policy import GradPolicy, StepStats
 from dist_optim._inputs import (
@@ -116,6 +117,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         grad_scaler: torch.amp.GradScaler | None = None,
         overflow: str = "exact",
         nonfinite: str = "ignore",
+        ddp_comm_hook: Callable[..., Any] | None = None,
+        ddp_comm_state: Any = None,
         **optimizer_kwargs: Any,
     ) -> None:
         check_optimizer_class(optimizer_class)
@@ -133,6 +136,16 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             nonfinite=nonfinite,
             track_grad_norm=track_grad_norm,
         )
+        ddp = params if isinstance(params, nn.parallel.DistributedDataParallel) else None
+        if ddp is not None:
+            check_ddp(ddp)
+            if accumulation_steps > 1:
+                raise NotImplementedError(
+                    "accumulation_steps > 1 with DDP: DDP reduces in every backward. Accumulate with "
+                    "`with model.no_sync():` on the micro-batches that only accumulate, and accumulation_steps=1"
+                )
+        elif ddp_comm_hook is not None:
+            raise ValueError("ddp_comm_hook is given but params is not a DistributedDataParallel model")
         if isinstance(params, nn.Module):
             check_sparse_modules(params, optimizer_class)
             params = module_params(params)
@@ -159,9 +172,16 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._micro_batches = 0  # backwards accumulated since the last step
         self._no_step_depth = 0
         self._engine = Engine(self, int(bucket_cap_mb * 2**20), per_parameter, policy)
+        # Under DDP: parameters DDP reduces are stepped by its communication hook; the ones it ignores keep a local
+        # step, as in DDP's standard loop.
+        self._ddp_param_ids = {id(p) for p in ddp.parameters()} if ddp is not None else set()
+        if ddp is not None:
+            self._engine.hookless = ddp_managed(ddp)
         defaults = self._probe_defaults(groups)
         try:
             super().__init__(groups, defaults)
+            if ddp is not None:
+                self._engine.comm = DDPCommHook(self._engine, ddp, ddp_comm_hook, ddp_comm_state)
         except BaseException:
             self.remove()  # nothing stays attached from the groups that were accepted before the bad one
             raise
@@ -202,7 +222,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{name} appears in more than one place; each parameter may be given only once")
             known.add(id(p))
         tensors = [e[1] if isinstance(e, tuple) else e for e in entries]
-        check_single_process(self._allow_local_steps, tensors)
+        check_single_process(self._allow_local_steps, [t for t in tensors if id(t) not in self._ddp_param_ids])
         if self._accumulation_steps > 1 and any(is_dtensor(p) for p in tensors):
             raise NotImplementedError(
                 "accumulation_steps > 1 with DTensor (FSDP2) parameters: FSDP2 runs no gradient hook on the "
@@ -383,5 +403,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     def remove(self) -> None:
         """Detach every hook. The model then trains with a standard optimizer again, and this object behaves as
         one: :meth:`step` steps whatever gradients are present."""
+        if self._engine.comm is not None:
+            raise NotImplementedError(
+                "cannot detach from a DistributedDataParallel model: DDP keeps its communication hook for its "
+                "lifetime. Wrap the module in a new DDP to train it with a standard optimizer"
+            )
         self._engine.remove()
         release((p for g in getattr(self, "param_groups", []) for p in g["params"]), self)

@@ -124,16 +124,6 @@ def test_sparse_gradients_step_like_the_standard_loop():
     assert opt.state[model[0].weight]["momentum_buffer"] is not None
 
 
-def test_ddp_models_are_refused_until_supported():
-    class FakeDDP(nn.parallel.DistributedDataParallel):
-        def __init__(self, module):  # no process group needed to test the type check
-            nn.Module.__init__(self)
-            self.module = module
-
-    with pytest.raises(NotImplementedError, match="DistributedDataParallel models are not supported.*fully_shard"):
-        InBackwardOptimizer(FakeDDP(make_model()), torch.optim.AdamW)
-
-
 def test_seed_pair_refuses_bad_input_too():
     model = make_model()
     with pytest.raises(ValueError, match="LBFGS needs a closure"):
