@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from dist_optim._inputs import is_dtensor
+
 __all__: list[str] = []
 
 
@@ -42,12 +44,10 @@ def runs(cls: type[torch.optim.Optimizer], group: dict[str, Any], kwargs: dict[s
     probes = []
     seen = set()
     for p in group["params"]:
-        key = (p.dtype, p.device, p.ndim, type(p))
+        key = (p.dtype, p.device, p.ndim, type(p), getattr(p, "device_mesh", None))
         if key not in seen:
             seen.add(key)
-            probe = torch.zeros([1] * p.ndim, dtype=p.dtype, device=p.device, requires_grad=True)
-            probe.grad = torch.zeros_like(probe)
-            probes.append(probe)
+            probes.append(_probe_like(p))
     hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
     try:
         opt = cls([{**hyper, "params": probes, flag: True}], **kwargs)
@@ -55,3 +55,20 @@ def runs(cls: type[torch.optim.Optimizer], group: dict[str, Any], kwargs: dict[s
     except (RuntimeError, ValueError, TypeError, NotImplementedError):
         return False
     return True
+
+
+def _probe_like(p: torch.Tensor) -> torch.Tensor:
+    """A one-element tensor of ``p``'s kind with a zero gradient; for a DTensor, a replicated DTensor on its mesh
+    (built locally, no communication), since DTensor lacks some fused kernels that plain tensors have."""
+    local = torch.zeros([1] * p.ndim, dtype=p.dtype, device=p.device)
+    if is_dtensor(p):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        mesh = p.device_mesh
+        probe = DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        grad = DTensor.from_local(torch.zeros_like(local), mesh, [Replicate()] * mesh.ndim, run_check=False)
+    else:
+        probe, grad = local, torch.zeros_like(local)
+    probe.requires_grad_(True)
+    probe.grad = grad
+    return probe

@@ -15,7 +15,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from dist_optim._inputs import check_optimizer_class, check_single_process, check_tensor
+from dist_optim._inputs import check_optimizer_class, check_single_process, check_tensor, is_dtensor
 from dist_optim._owners import check_unowned, record_owner
 
 __all__: list[str] = []
@@ -41,10 +41,14 @@ class _Record:
         self.alias = new
 
 
+def _storage(t: torch.Tensor) -> int:
+    return (t.to_local() if is_dtensor(t) else t).data_ptr()  # a DTensor's own data_ptr() is 0
+
+
 def _make_hook(record: _Record):
     def hook(param: torch.Tensor) -> None:
         alias = record.alias
-        if alias.data_ptr() != param.data_ptr() or alias.dtype != param.dtype:
+        if _storage(alias) != _storage(param) or alias.dtype != param.dtype:
             record.refresh(param)
             alias = record.alias
         alias.grad = param.grad

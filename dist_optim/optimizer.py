@@ -49,7 +49,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
 
     Args:
         params: what ``torch.optim`` accepts (tensors, ``named_parameters()``, param-group dicts) or an
-            ``nn.Module``, whose frozen parameters are skipped. A group may carry its own ``"optimizer_class"``;
+            ``nn.Module``, whose frozen parameters are skipped: plain, DDP-wrapped (stepped after each bucket's
+            all-reduce) or FSDP2-sharded (stepped on the shards after reduce-scatter). A group may carry its own ``"optimizer_class"``;
             such a group takes its options from the group dict and that class's defaults, not from
             ``optimizer_kwargs``.
         optimizer_class: a ``torch.optim.Optimizer`` subclass (not an instance), e.g. ``torch.optim.AdamW``.
@@ -79,6 +80,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         nonfinite: without a scaler: ``"ignore"`` (the standard loop's behaviour), ``"skip"`` (buckets with a
             non-finite gradient are not stepped, counted in :attr:`last_step`; the whole step when gradients are
             held) or ``"raise"`` (``FloatingPointError`` naming the parameters).
+        ddp_comm_hook: with a ``DistributedDataParallel`` model, the communication hook that reduces each bucket
+            before it is stepped (default: DDP's mean all-reduce), e.g. torch's ``fp16_compress_hook``.
+        ddp_comm_state: the state passed to ``ddp_comm_hook``.
         **optimizer_kwargs: options of ``optimizer_class`` (``lr``, ``weight_decay``, ...), checked by
             ``optimizer_class`` itself at construction.
 
