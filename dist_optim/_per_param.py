@@ -45,8 +45,10 @@ def _storage(t: torch.Tensor) -> int:
     return (t.to_local() if is_dtensor(t) else t).data_ptr()  # a DTensor's own data_ptr() is 0
 
 
-def _make_hook(record: _Record):
+def _make_hook(record: _Record, allow_local_steps: bool):
     def hook(param: torch.Tensor) -> None:
+        if not allow_local_steps and not is_dtensor(param):
+            check_single_process(False, [param])  # a process group may have appeared since (then DDP-wrapped)
         alias = record.alias
         if _storage(alias) != _storage(param) or alias.dtype != param.dtype:
             record.refresh(param)
@@ -108,7 +110,7 @@ def apply_optimizer_in_backward(
             record = _RECORDS[p] = _Record(p)
         record.optimizers.append(optimizer_class([record.alias], **optimizer_kwargs))
         if register_hook and record.handle is None:
-            record.handle = p.register_post_accumulate_grad_hook(_make_hook(record))
+            record.handle = p.register_post_accumulate_grad_hook(_make_hook(record, allow_local_steps))
             record_owner(p, record, record.handle)
 
 

@@ -226,7 +226,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{name} appears in more than one place; each parameter may be given only once")
             known.add(id(p))
         tensors = [e[1] if isinstance(e, tuple) else e for e in entries]
-        check_single_process(self._allow_local_steps, [t for t in tensors if id(t) not in self._ddp_param_ids])
+        plain = [t for t in tensors if id(t) not in self._ddp_param_ids and not is_dtensor(t)]
+        check_single_process(self._allow_local_steps, plain)
+        if plain and not self._allow_local_steps:
+            self._engine.local_params_checked = False
         if self._accumulation_steps > 1 and any(is_dtensor(p) for p in tensors):
             raise NotImplementedError(
                 "accumulation_steps > 1 with DTensor (FSDP2) parameters: FSDP2 runs no gradient hook on the "
@@ -312,6 +315,19 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         (the value ``clip_grad_norm_`` would have returned); ``None`` unless ``track_grad_norm=True`` or a
         global-norm ``max_grad_norm`` is set."""
         return self._engine.policy.stats.grad_norm
+
+    def _check_still_single_process(self) -> None:
+        """Once per backward: plain tensors accepted before a process group existed must not now step locally."""
+        try:
+            plain = [
+                p for p in self._engine.params if id(p) not in self._ddp_param_ids and not is_dtensor(p)
+            ]
+            check_single_process(False, plain)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"{e}. This optimizer was built before the process group existed; build it after wrapping the "
+                "model (InBackwardOptimizer(ddp_model, ...))"
+            ) from None
 
     def _begin_training_step(self) -> None:
         for hook in chain(_global_optimizer_pre_hooks.values(), self._optimizer_step_pre_hooks.values()):

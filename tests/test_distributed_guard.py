@@ -20,8 +20,19 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch buil
 
 
 def _worker(rank: int, world: int, store_path: str) -> None:
+    # Built in a single process, then the job becomes multi-rank (and the model would be wrapped in DDP, which
+    # reduces after these hooks): the next backward must refuse instead of stepping on local gradients.
+    early, early_seed = make_model(), make_model()
+    early_opt = dist_optim.InBackwardOptimizer(early.parameters(), torch.optim.SGD, lr=0.1)
+    dist_optim.apply_optimizer_in_backward(torch.optim.SGD, early_seed.parameters(), {"lr": 0.1})
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
+        for m in (early, early_seed):
+            before = m.head.weight.detach().clone()
+            with pytest.raises(RuntimeError, match="un-reduced gradient"):
+                train_in_backward(m, batches(1))
+            assert torch.equal(m.head.weight, before)
+        assert early_opt is not None
         model = make_model()
         with pytest.raises(RuntimeError, match="2 ranks is initialised.*fully_shard.*allow_local_steps=True"):
             dist_optim.InBackwardOptimizer(model.parameters(), torch.optim.AdamW)
