@@ -163,12 +163,17 @@ def _scenarios(rank):
     yield "refusals", refusals
 
 
+FOUR_RANK_SCENARIOS = {"AdamW-fused/bucket_view=False", "SGD-momentum/bucket_view=True", "no_sync_accumulation"}
+
+
 def _worker(rank: int, world: int, store_path: str, result_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     failures = []
     try:
         for name, run in _scenarios(rank):
+            if world == 4 and name not in FOUR_RANK_SCENARIOS:
+                continue
             try:
                 run()
             except Exception:  # collect, so that one failure does not hide the others
@@ -180,7 +185,8 @@ def _worker(rank: int, world: int, store_path: str, result_dir: str) -> None:
         f.write("\n".join(failures))
 
 
-def test_ddp_equals_the_standard_loop(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
-    failures = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_equals_the_standard_loop(tmp_path, world):
+    mp.spawn(_worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True)
+    failures = [(tmp_path / f"rank{r}.txt").read_text() for r in range(world)]
     assert not any(failures), "failed DDP scenarios (name: traceback):\n" + "\n".join(failures)
