@@ -536,7 +536,8 @@ class Run:
         self.contention = Contention()
         self.t0 = time.perf_counter()
 
-    def finish(self, results: dict[str, Any]) -> None:
+    def finish(self, results: dict[str, Any], out: str) -> None:
+        """Record the wall time and the CPU contention in ``results`` and write them to ``out`` as JSON."""
         results["wall_s"] = time.perf_counter() - self.t0
         others = self.contention.others_fraction()
         results["env"]["other_processes_cpu_fraction_before"] = self.busy_before
@@ -544,6 +545,10 @@ class Run:
         if others is not None:
             print(f"\nother processes used {others:.1%} of the CPUs during the run"
                   + ("  <-- WARNING: contended, timings unreliable" if others > 0.05 else ""))
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"wall {results['wall_s']:.1f} s; results written to {out}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -584,11 +589,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["models"][name] = res
         print_model(name, res)
 
-    run.finish(results)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"wall {results['wall_s']:.1f} s; results written to {args.out}")
+    run.finish(results, args.out)
     return results
 
 

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
 import statistics
@@ -582,11 +581,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for m, v, vs, r, saved, eq in summary_rows(results):
         print(f"    {m:<12}{v:<26}{vs:<14}{r:7.3f}{saved:16.2f}  {eq}")
 
-    run.finish(results)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"wall {results['wall_s']:.1f} s; results written to {args.out}")
+    run.finish(results, args.out)
     return results
 
 

@@ -65,6 +65,10 @@ class DDPCommHook:
             )
         # Captured before the inner hook: compression wrappers replace the bucket's buffer.
         params, grads, buffer = bucket.parameters(), bucket.gradients(), bucket.buffer()
+        for p in params:
+            # DDP has copied the gradient into its bucket (or .grad is a view of it): the step reads the bucket,
+            # so a separate .grad (gradient_as_bucket_view=False) is freed now, not when the reduction is done.
+            p.grad = None
         fut = self.inner(self.inner_state, bucket)
         self.pending.append((params, grads, buffer, fut))
         self.step_ready(wait=False)
