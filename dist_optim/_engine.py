@@ -69,9 +69,9 @@ class Engine:
         self.hookless: set[int] = set()  # ids of parameters stepped by a communication hook, not their own hook
         self.comm_buckets: dict[tuple[int, ...], _Bucket] = {}  # a DDP bucket's parameter ids -> its bucket
         self.comm: Any = None  # the DDP communication hook, if any: finish() completes its pending buckets
-        # None: nothing to check; False: plain tensors were accepted in a single process, so every backward checks
-        # that no multi-rank group has appeared since (a model wrapped in DDP afterwards would step locally)
-        self.local_params_checked: bool | None = None
+        # plain tensors were accepted in a single process: every backward checks that no multi-rank group has
+        # appeared since (a model wrapped in DDP afterwards would step on local gradients)
+        self.recheck_world = False
 
     # -- registration -------------------------------------------------------------------------------------------
     def add_params(self, group_index: int, params: list[torch.Tensor]) -> None:
@@ -137,7 +137,7 @@ class Engine:
             self.open.clear()
             self.open_bytes = 0
         self.held.clear()
-        if self.local_params_checked is not None and not self.local_params_checked:
+        if self.recheck_world and torch.distributed.is_available() and torch.distributed.is_initialized():
             self.owner._check_still_single_process()
         self.previous_task, self.task = self.task, tid
         self.stepping = self.owner._backward_steps()

@@ -229,7 +229,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         plain = [t for t in tensors if id(t) not in self._ddp_param_ids and not is_dtensor(t)]
         check_single_process(self._allow_local_steps, plain)
         if plain and not self._allow_local_steps:
-            self._engine.local_params_checked = False
+            self._engine.recheck_world = True
         if self._accumulation_steps > 1 and any(is_dtensor(p) for p in tensors):
             raise NotImplementedError(
                 "accumulation_steps > 1 with DTensor (FSDP2) parameters: FSDP2 runs no gradient hook on the "
