@@ -137,6 +137,8 @@ class Engine:
             self.open.clear()
             self.open_bytes = 0
         self.held.clear()
+        if self.comm is not None:
+            self.comm.pending.clear()  # reductions of a backward that raised are not stepped later
         if self.recheck_world and torch.distributed.is_available() and torch.distributed.is_initialized():
             self.owner._check_still_single_process()
         self.previous_task, self.task = self.task, tid
