@@ -79,3 +79,18 @@ def assert_same_state(sd_a: dict, sd_b: dict) -> None:
         for key, v in state.items():
             w = sd_b["state"][k][key]
             assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, f"state[{k}][{key!r}] differs"
+
+
+def run_benchmark_quick(script: str, tmp_path) -> tuple[dict, str]:
+    """Run ``benchmarks/<script> --quick`` in a subprocess; return its JSON result and its stderr."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    out = tmp_path / f"{script}.json"
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / script
+    proc = subprocess.run([sys.executable, str(path), "--quick", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stderr

@@ -3,15 +3,10 @@ loop under the same wrapper ends, and FSDP2 in backward peaks lower; speed is ne
 
 from __future__ import annotations
 
-import json
-import pathlib
-import subprocess
-import sys
-
 import pytest
 import torch.distributed as dist
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from helpers import run_benchmark_quick
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
 
@@ -25,14 +20,8 @@ COUNTERPARTS = {
 
 
 def test_bench_distributed_quick_in_backward_equals_the_standard_loops_and_fsdp2_saves_memory(tmp_path):
-    out = tmp_path / "bench_distributed.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_distributed.py"), "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "profiler_start" not in proc.stderr  # kineto's per-call lines are filtered out of the ranks' stderr
-    result = json.loads(out.read_text())
+    result, stderr = run_benchmark_quick("bench_distributed.py", tmp_path)
+    assert "profiler_start" not in stderr  # kineto's per-call lines are filtered out of the ranks' stderr
     assert result["mode"] == "quick" and result["config"]["world_size"] == 2
     reps = result["config"]["reps"]
     variants = {n: v for w in result["wrappers"].values() for n, v in w["variants"].items()}

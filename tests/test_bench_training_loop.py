@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import pathlib
-import subprocess
-import sys
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from helpers import run_benchmark_quick
 
 # in-backward variant -> the standard loop it must equal bitwise (parameters and optimizer state)
 COUNTERPARTS = {
@@ -24,13 +19,7 @@ COUNTERPARTS = {
 
 
 def test_bench_training_loop_quick_runs_matches_the_standard_loops_and_saves_memory(tmp_path):
-    out = tmp_path / "bench_training_loop.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_training_loop.py"), "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result, _ = run_benchmark_quick("bench_training_loop.py", tmp_path)
     assert result["mode"] == "quick"
     assert set(result["models"]) == {"many_small"}
     reps = result["config"]["reps"]

@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import pathlib
-import subprocess
-import sys
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from helpers import run_benchmark_quick
 
 
 def test_bench_core_quick_runs_and_in_backward_matches_and_saves_memory(tmp_path):
-    out = tmp_path / "bench_core.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_core.py"), "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result, _ = run_benchmark_quick("bench_core.py", tmp_path)
     assert set(result["models"]) == {"many_small", "few_large"}
     for name, model in result["models"].items():
         for variant in ("inbackward", "inbackward_per_param"):
