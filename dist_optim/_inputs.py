@@ -94,13 +94,20 @@ def _fsdp1_module(module: nn.Module) -> nn.Module | None:
     return next((m for m in module.modules() if isinstance(m, FullyShardedDataParallel)), None)
 
 
-def is_dtensor(p: torch.Tensor) -> bool:
-    """A DTensor's gradient is produced by a distributed mechanism (FSDP2 reduce-scatters it before its hooks)."""
+def _dtensor_class() -> type | tuple[()]:
     try:
         from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(p, DTensor)
+    except ImportError:  # torch built without distributed: isinstance(p, ()) is always False
+        return ()
+    return DTensor
+
+
+_DTENSOR = _dtensor_class()
+
+
+def is_dtensor(p: torch.Tensor) -> bool:
+    """A DTensor's gradient is produced by a distributed mechanism (FSDP2 reduce-scatters it before its hooks)."""
+    return isinstance(p, _DTENSOR)
 
 
 def check_single_process(allow_local_steps: bool, params: list[torch.Tensor] | None = None) -> None:

@@ -47,7 +47,7 @@ def _storage(t: torch.Tensor) -> int:
 
 def _make_hook(record: _Record, allow_local_steps: bool):
     def hook(param: torch.Tensor) -> None:
-        if not allow_local_steps and not is_dtensor(param):
+        if not allow_local_steps:
             check_single_process(False, [param])  # a process group may have appeared since (then DDP-wrapped)
         alias = record.alias
         if _storage(alias) != _storage(param) or alias.dtype != param.dtype:
