@@ -1,0 +1,319 @@
+"""Checkpoints in one process: resume is bitwise the run that never stopped, across optimizer kinds, with every
+piece of training state; remapping; atomicity; corrupted and foreign checkpoints give clear errors.
+
+The distributed resume pairs (FSDP2/DDP, 1-4 ranks) are in test_checkpoint_dist.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import random
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+import dist_optim
+from dist_optim.checkpoint import CheckpointError, CheckpointManager, Remap, load, save
+from helpers import assert_same_params, batches, loss_of, make_model
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="DCP needs torch.distributed")
+
+DATA = batches(8)
+HALF = 4
+ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
+
+
+def build(mode: str, seed: int = 0):
+    """model, optimizer, scheduler for 'in_backward' or 'standard' (same AdamW, same implementation)."""
+    model = make_model(seed)
+    if mode == "in_backward":
+        opt = dist_optim.InBackwardOptimizer(model, torch.optim.AdamW, fused=True, **ADAMW)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=len(DATA))
+    return model, opt, sched
+
+
+def train(mode: str, model, opt, sched, data) -> list[float]:
+    losses = []
+    for batch in data:
+        loss = loss_of(model, batch)
+        loss.backward()
+        if mode == "standard":
+            opt.step()
+            opt.zero_grad()
+        sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def full_state(opt) -> dict:
+    return {k: {kk: vv.clone() if isinstance(vv, torch.Tensor) else vv for kk, vv in v.items()}
+            for k, v in opt.state_dict()["state"].items()}
+
+
+def assert_same_optimizer_state(a, b) -> None:
+    sa, sb = full_state(a), full_state(b)
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        for key in sa[k]:
+            assert torch.equal(sa[k][key], sb[k][key]), f"state[{k}][{key}] differs"
+
+
+@pytest.mark.parametrize("saved_with", ["in_backward", "standard"])
+@pytest.mark.parametrize("resumed_with", ["in_backward", "standard"])
+def test_resume_equals_never_stopping(tmp_path, saved_with, resumed_with):
+    # reference: never stops, optimizer kind of the second half does not matter (both are bitwise the same)
+    ref = build(saved_with)
+    train(saved_with, *ref, DATA)
+
+    first = build(saved_with)
+    train(saved_with, *first, DATA[:HALF])
+    save(tmp_path / "ck", model=first[0], optimizer=first[1], schedulers=first[2], step=HALF, extra={"pos": HALF})
+
+    second = build(resumed_with, seed=123)  # different initial weights: all must come from the checkpoint
+    result = load(tmp_path / "ck", model=second[0], optimizer=second[1], schedulers=second[2])
+    assert (result.step, result.extra, result.world_size) == (HALF, {"pos": HALF}, 1)
+    assert second[2].get_last_lr() == first[2].get_last_lr()
+    train(resumed_with, *second, DATA[HALF:])
+    assert_same_params(ref[0], second[0])
+    assert_same_optimizer_state(ref[1], second[1])
+    assert second[1].param_groups[0]["lr"] == ref[1].param_groups[0]["lr"]
+
+
+def test_implementation_flags_stay_those_of_the_optimizer_loaded_into(tmp_path):
+    model, opt, _ = build("standard")
+    train("standard", model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), DATA[:2])
+    save(tmp_path / "ck", model=model, optimizer=opt)
+    model2 = make_model()
+    opt2 = torch.optim.AdamW(model2.parameters(), foreach=True, **ADAMW)
+    load(tmp_path / "ck", model=model2, optimizer=opt2)
+    assert opt2.param_groups[0]["foreach"] is True and opt2.param_groups[0]["fused"] is None
+
+
+def test_saving_before_the_first_step_changes_nothing(tmp_path):
+    model, opt, sched = build("in_backward")
+    save(tmp_path / "ck", model=model, optimizer=opt, schedulers=sched, step=0)
+    assert len(opt.state) == 0  # torch's get_optimizer_state_dict would have stepped Adam here (torch issue 164929)
+    ref = build("in_backward")
+    train("in_backward", *ref, DATA)
+    model2, opt2, sched2 = build("in_backward", seed=5)
+    load(tmp_path / "ck", model=model2, optimizer=opt2, schedulers=sched2)
+    assert len(opt2.state) == 0
+    train("in_backward", model2, opt2, sched2, DATA)
+    assert_same_params(ref[0], model2)
+
+
+def test_scaler_ema_rng_and_plain_rng_come_back(tmp_path):
+    model = make_model()
+    opt = dist_optim.InBackwardOptimizer(model, torch.optim.AdamW, **ADAMW)
+    ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    for batch in DATA[:3]:
+        loss_of(model, batch).backward()
+        ema.update_parameters(model)
+        scaler.scale(torch.ones(()))  # creates the scale tensor
+        scaler.update(scaler.get_scale() * 2)
+    torch.manual_seed(7)
+    random.seed(7)
+    save(tmp_path / "ck", model=model, optimizer=opt, grad_scaler=scaler, averaged_model=ema)
+    expected = (torch.rand(3), random.random(), [p.clone() for p in ema.parameters()], ema.n_averaged.clone(),
+                scaler.get_scale())
+
+    model2 = make_model(9)
+    opt2 = dist_optim.InBackwardOptimizer(model2, torch.optim.AdamW, **ADAMW)
+    ema2 = torch.optim.swa_utils.AveragedModel(model2)
+    scaler2 = torch.amp.GradScaler("cpu")
+    torch.manual_seed(0)
+    random.seed(0)
+    load(tmp_path / "ck", model=model2, optimizer=opt2, grad_scaler=scaler2, averaged_model=ema2)
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+    assert all(torch.equal(p, q) for p, q in zip(ema2.parameters(), expected[2]))
+    assert torch.equal(ema2.n_averaged, expected[3]) and scaler2.get_scale() == expected[4]
+
+
+def test_manager_keeps_last_and_skips_unfinished_saves(tmp_path):
+    model, opt, sched = build("in_backward")
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    assert manager.load("latest", model=model) is None
+    for step in range(1, 5):
+        train("in_backward", model, opt, sched, DATA[step:step + 1])
+        manager.save(step, model=model, optimizer=opt, schedulers=sched)
+    assert [p.name for p in manager.checkpoints()] == ["step_00000004", "step_00000003"]
+    # an unfinished save (a crash before the rename) and a foreign folder are never "latest"
+    shutil.copytree(tmp_path / "step_00000004", tmp_path / "step_00000009.partial")
+    (tmp_path / "step_00000010").mkdir()
+    assert manager.latest() == tmp_path / "step_00000004"
+    manager.save(5, model=model, optimizer=opt, schedulers=sched)
+    assert (tmp_path / "step_00000009.partial").is_dir()  # pruning touches committed checkpoints only
+    assert [p.name for p in manager.checkpoints()] == ["step_00000005", "step_00000004"]
+    with pytest.raises(CheckpointError, match="unfinished save"):
+        load(tmp_path / "step_00000009", model=model)
+    with pytest.raises(FileExistsError, match="already exists"):
+        manager.save(5, model=model)
+
+
+def test_plain_data_that_json_cannot_hold_is_refused_before_writing(tmp_path):
+    model = make_model()
+    with pytest.raises(TypeError, match=r"at 'extra.loader'.*convert it"):
+        save(tmp_path / "ck", model=model, extra={"loader": object()})
+    assert not any(tmp_path.iterdir())
+
+
+def test_async_save_holds_the_state_of_the_moment_it_was_called(tmp_path):
+    model, opt, sched = build("in_backward")
+    train("in_backward", model, opt, sched, DATA[:2])
+    snapshot = copy.deepcopy((model.state_dict(), full_state(opt)))
+    pending = save(tmp_path / "ck", model=model, optimizer=opt, async_save=True)
+    train("in_backward", model, opt, sched, DATA[2:5])  # steps run while the upload may still be writing
+    pending.wait()
+    assert pending.done()
+    model2, opt2, _ = build("in_backward", seed=3)
+    load(tmp_path / "ck", model=model2, optimizer=opt2)
+    assert all(torch.equal(v, model2.state_dict()[k]) for k, v in snapshot[0].items())
+    assert all(torch.equal(v, full_state(opt2)[i][key]) for i, s in snapshot[1].items() for key, v in s.items())
+
+
+# -- names -------------------------------------------------------------------------------------------------------
+def test_wrapper_prefixes_do_not_change_names(tmp_path):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model, opt, sched = build("in_backward")
+    train("in_backward", model, opt, sched, DATA[:2])
+    wrapped = make_model(4)
+    wrapped.layers = nn.ModuleList(checkpoint_wrapper(layer) for layer in wrapped.layers)
+    compiled = torch.compile(wrapped)  # only wrapped, never run: its state_dict has the _orig_mod prefix
+    save(tmp_path / "ck", model=model, optimizer=opt)
+    opt2 = torch.optim.AdamW(compiled.parameters(), **ADAMW)
+    load(tmp_path / "ck", model=compiled, optimizer=opt2)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), compiled.parameters()))
+    assert opt2.state[compiled._orig_mod.head.weight]["exp_avg"].equal(opt.state[model.head.weight]["exp_avg"])
+
+
+class Renamed(nn.Module):
+    """MLP's layers as ``blocks.{i}.fc`` and its head duplicated into two experts; a new ``gate``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleDict({"fc": nn.Linear(8, 8)}) for _ in range(3))
+        self.norm = nn.LayerNorm(8)
+        self.experts = nn.ModuleList(nn.ModuleDict({"head": nn.Linear(8, 1)}) for _ in range(2))
+        self.gate = nn.Linear(8, 2)
+
+
+def _trained(tmp_path):
+    model, opt, sched = build("in_backward")
+    train("in_backward", model, opt, sched, DATA[:2])
+    save(tmp_path / "ck", model=model, optimizer=opt)
+    return model, opt
+
+
+def test_remap_renames_duplicates_and_starts_new_names_fresh(tmp_path):
+    model, opt = _trained(tmp_path)
+    new = Renamed()
+    gate = new.gate.weight.clone()
+    opt2 = dist_optim.InBackwardOptimizer(new, torch.optim.AdamW, **ADAMW)
+    remap = Remap({"layers.{i}": "blocks.{i}.fc", "head": "experts.{e}.head"}, fresh=["gate.*"])
+    result = load(tmp_path / "ck", model=new, optimizer=opt2, remap=remap)
+    assert result.fresh == ["gate.bias", "gate.weight"]
+    for i in range(3):
+        assert torch.equal(new.blocks[i].fc.weight, model.layers[i].weight)
+        assert torch.equal(opt2.state[new.blocks[i].fc.weight]["exp_avg_sq"], opt.state[model.layers[i].weight]["exp_avg_sq"])
+    for e in range(2):
+        assert torch.equal(new.experts[e].head.bias, model.head.bias)
+        assert torch.equal(opt2.state[new.experts[e].head.weight]["exp_avg"], opt.state[model.head.weight]["exp_avg"])
+    assert new.experts[0].head.weight.data_ptr() != new.experts[1].head.weight.data_ptr()
+    assert torch.equal(new.gate.weight, gate) and new.gate.weight not in opt2.state
+
+
+def test_strict_mismatch_lists_missing_and_unexpected_with_closest_names(tmp_path):
+    _trained(tmp_path)
+    new = Renamed()
+    before = [p.clone() for p in new.parameters()]
+    with pytest.raises(CheckpointError) as err:
+        load(tmp_path / "ck", model=new, remap=Remap({"layers.{i}": "blocks.{i}.fc"}))
+    msg = str(err.value)
+    assert "6 missing" in msg and "experts.0.head.weight  (closest in checkpoint: 'head.weight')" in msg
+    assert "2 unexpected" in msg and "head.bias  (closest in model: 'gate.bias', 'experts.1.head.bias')" in msg
+    assert all(torch.equal(p, q) for p, q in zip(new.parameters(), before))  # nothing loaded
+    # dropping old names on request, new ones fresh: loads
+    result = load(tmp_path / "ck", model=new, remap=Remap({"layers.{i}": "blocks.{i}.fc"},
+                                                             fresh=["experts.*", "gate.*"], ignore=["head.*"]))
+    assert result.ignored == ["head.bias", "head.weight"]
+
+
+def test_a_checkpoint_of_another_model_and_wrong_shapes_are_refused(tmp_path):
+    _trained(tmp_path)
+    with pytest.raises(CheckpointError, match=r"(?s)2 missing.*10 unexpected"):
+        load(tmp_path / "ck", model=nn.Sequential(nn.Linear(8, 8)))
+    with pytest.raises(CheckpointError, match=r"(?s)shapes differ for 9.*layers.0.weight: checkpoint \(8, 8\) vs \(16, 16\)"):
+        load(tmp_path / "ck", model=make_model(width=16))
+
+
+def test_remap_rules_are_checked():
+    with pytest.raises(ValueError, match="appear only in the source"):
+        Remap({"layers.{i}": "blocks"})
+    with pytest.raises(ValueError, match="whole component"):
+        Remap({"layers.x{i}": "blocks.{i}"})
+    with pytest.raises(TypeError, match=r"write \['gate.\*'\]"):
+        Remap(fresh="gate.*")
+
+
+def test_remap_hooks_for_in_memory_state_dicts():
+    model, opt, sched = build("in_backward")
+    train("in_backward", model, opt, sched, DATA[:2])
+    new = Renamed()
+    remap = Remap({"layers.{i}": "blocks.{i}.fc", "head": "experts.{e}.head"}, fresh=["gate.*"])
+    new.register_load_state_dict_pre_hook(remap.module_hook)
+    missing, unexpected = new.load_state_dict(model.state_dict(), strict=False)
+    assert sorted(missing) == ["gate.bias", "gate.weight"] and unexpected == []
+    assert torch.equal(new.experts[1].head.weight, model.head.weight)
+    opt2 = torch.optim.AdamW(new.named_parameters(), **ADAMW)
+    opt2.register_load_state_dict_pre_hook(remap.optimizer_hook)
+    opt2.load_state_dict(opt.state_dict())
+    assert torch.equal(opt2.state[new.blocks[2].fc.bias]["exp_avg"], opt.state[model.layers[2].bias]["exp_avg"])
+    assert torch.equal(opt2.state[new.experts[1].head.weight]["exp_avg"], opt.state[model.head.weight]["exp_avg"])
+    assert new.gate.weight not in opt2.state
+
+
+# -- damaged checkpoints -------------------------------------------------------------------------------------------
+def test_truncated_shard_and_missing_files_are_named(tmp_path):
+    model, _ = _trained(tmp_path)
+    shard = next((tmp_path / "ck").glob("*.distcp"))
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    with pytest.raises(CheckpointError, match=rf"{shard.name} is truncated: \d+ bytes on disk, the metadata needs"):
+        load(tmp_path / "ck", model=model)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"{shard.name} is missing"):
+        load(tmp_path / "ck", model=model)
+    (tmp_path / "ck" / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=r"\.metadata is missing"):
+        load(tmp_path / "ck", model=model)
+    (tmp_path / "ck" / "COMMITTED").unlink()
+    with pytest.raises(CheckpointError, match="not a committed dist_optim checkpoint"):
+        load(tmp_path / "ck", model=model)
+
+
+class _Payload:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def test_loading_never_executes_code_from_the_checkpoint(tmp_path):
+    model, _ = _trained(tmp_path)
+    pwned = tmp_path / "pwned"
+    (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(_Payload(str(pwned))))
+    with pytest.raises(CheckpointError, match=r"\.metadata cannot be read .*refused to load global posix.mkdir"):
+        load(tmp_path / "ck", model=model)
+    assert not pwned.exists()
+    (tmp_path / "ck" / "dist_optim.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="dist_optim.json is corrupted"):
+        load(tmp_path / "ck", model=model)
