@@ -322,7 +322,8 @@ def load(
     restore_rng: bool = True,
     process_group: Any = None,
 ) -> LoadResult:
-    """Load a checkpoint written by :func:`save` into the given objects, in place. Call it on every rank.
+    """Load a checkpoint written by :func:`save` into the given objects, in place. Call it on every rank. Only
+    the objects passed are loaded (``load(path, model=model)`` for evaluation).
 
     The world size and wrapper may differ from the saving job's (FSDP2 on 2 ranks -> plain model on 1 -> DDP on
     4 ...); so may the optimizer kind (a standard optimizer's checkpoint resumes in backward and the other way
@@ -410,7 +411,7 @@ def load(
                 plan.add(key, rng_targets[kind], f"rng {kind}")
     saved_schedulers = plain.get("schedulers", [])
     schedulers = _schedulers(schedulers)
-    if len(schedulers) != len(saved_schedulers):
+    if schedulers and len(schedulers) != len(saved_schedulers):
         raise _storage.CheckpointError(
             f"checkpoint {folder} holds {len(saved_schedulers)} scheduler state(s); {len(schedulers)} given"
         )

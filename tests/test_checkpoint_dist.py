@@ -1,0 +1,264 @@
+"""Checkpoints across world sizes and wrappers, with real gloo process groups and real DCP files.
+
+Two runs that never stop are the references: FSDP2 on 2 ranks and DDP on 2 ranks (and a single process), each
+saving a checkpoint half-way. Every resume pair then loads one of those checkpoints, finishes the run and is
+compared with the reference that wrote it: bitwise where the arithmetic is the same (same wrapper, same world
+size), else within a tight tolerance (a different world size changes the reduction order of the gradient mean).
+Each world size runs its scenarios in one spawned group (FileStore in tmp_path: parallel test workers never
+collide); failures are collected per scenario and reported together.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import signal
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import dist_optim
+from dist_optim.checkpoint import CheckpointManager, load, save
+from helpers import make_model
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
+
+WIDTH = 16
+ROWS = 12  # global batch: divisible by 1, 2, 3 and 4 ranks
+HALF = 3
+ADAMW = {"lr": 1e-2, "weight_decay": 0.1, "fused": True}
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(ROWS, WIDTH, generator=g), torch.randn(ROWS, 1, generator=g)
+
+
+def local_batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = global_batch(step)
+    n = ROWS // world
+    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+
+def setup(wrapper: str, mode: str, seed: int = 0):
+    """A model (wrapped), its optimizer ('in_backward' or 'standard', same fused AdamW) and a cosine schedule."""
+    model = make_model(seed, width=WIDTH)
+    if wrapper == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    elif wrapper == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    if mode == "in_backward":
+        opt = dist_optim.InBackwardOptimizer(model, torch.optim.AdamW, **ADAMW)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=2 * HALF)
+    return model, opt, sched
+
+
+def train(model, opt, sched, mode: str, steps: range) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    for step in steps:
+        x, y = local_batch(step, rank, world)
+        nn.functional.mse_loss(model(x), y).backward()
+        if mode == "standard":
+            opt.step()
+            opt.zero_grad()
+        sched.step()
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    out = {}
+    for name, p in module.named_parameters():
+        out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    return out
+
+
+def compare(got: dict, reference_file: Path, exact: bool) -> None:
+    want = torch.load(reference_file, weights_only=True)
+    assert got.keys() == want.keys()
+    for name in want:
+        if exact:
+            assert torch.equal(got[name], want[name]), f"{name}: max |diff| {(got[name] - want[name]).abs().max()}"
+        else:
+            torch.testing.assert_close(got[name], want[name], **TOLERANCE, msg=lambda m: f"{name}: {m}")
+
+
+def uninterrupted(wrapper: str, tmp: Path) -> None:
+    """The reference: trains 2*HALF steps, saving at HALF; rank 0 writes the final parameters."""
+    model, opt, sched = setup(wrapper, "in_backward")
+    train(model, opt, sched, "in_backward", range(HALF))
+    CheckpointManager(tmp / f"ck_{wrapper}").save(HALF, model=model, optimizer=opt, schedulers=sched)
+    train(model, opt, sched, "in_backward", range(HALF, 2 * HALF))
+    params = full_params(model)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save(params, tmp / f"ref_{wrapper}.pt")
+
+
+def resume(source: str, wrapper: str, mode: str, tmp: Path, exact: bool) -> None:
+    """Loads ``ck_<source>`` into a fresh ``wrapper`` model (other initial weights), finishes, compares."""
+    model, opt, sched = setup(wrapper, mode, seed=99)
+    result = CheckpointManager(tmp / f"ck_{source}").load("latest", model=model, optimizer=opt, schedulers=sched)
+    assert result is not None and result.step == HALF
+    train(model, opt, sched, mode, range(HALF, 2 * HALF))
+    compare(full_params(model), tmp / f"ref_{source}.pt", exact)
+
+
+def async_save_snapshot(tmp: Path) -> None:
+    """FSDP2: training goes on while the async upload writes; the checkpoint holds the state at save() time."""
+    model, opt, sched = setup("fsdp2", "in_backward")
+    train(model, opt, sched, "in_backward", range(2))
+    manager = CheckpointManager(tmp / "ck_async", async_save=True)
+    manager.save(2, model=model, optimizer=opt, schedulers=sched)
+    expected = full_params(model)
+    exp_avg = {k: v["exp_avg"].full_tensor() for k, v in opt.state_dict()["state"].items()}
+    train(model, opt, sched, "in_backward", range(2, 4))  # in-backward steps while the save may be in flight
+    manager.wait()
+    model2, opt2, sched2 = setup("fsdp2", "in_backward", seed=5)
+    manager.load("latest", model=model2, optimizer=opt2, schedulers=sched2)
+    got = full_params(model2)
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    assert all(torch.equal(opt2.state_dict()["state"][k]["exp_avg"].full_tensor(), v) for k, v in exp_avg.items())
+
+
+PHASES = {
+    # world 2: the references, resume in the same setting (bitwise), and a single-process checkpoint on 2 ranks
+    2: {
+        "fsdp2 uninterrupted": lambda tmp: uninterrupted("fsdp2", tmp),
+        "ddp uninterrupted": lambda tmp: uninterrupted("ddp", tmp),
+        "fsdp2 -> fsdp2 (2 ranks, bitwise)": lambda tmp: resume("fsdp2", "fsdp2", "in_backward", tmp, exact=True),
+        "fsdp2 -> fsdp2 standard optimizer (2 ranks, bitwise)":
+            lambda tmp: resume("fsdp2", "fsdp2", "standard", tmp, exact=True),
+        "ddp -> ddp (2 ranks, bitwise)": lambda tmp: resume("ddp", "ddp", "in_backward", tmp, exact=True),
+        "ddp -> fsdp2 (2 ranks)": lambda tmp: resume("ddp", "fsdp2", "in_backward", tmp, exact=False),
+        "plain -> fsdp2 (2 ranks)": lambda tmp: resume("plain", "fsdp2", "in_backward", tmp, exact=False),
+        "plain -> ddp standard optimizer (2 ranks)": lambda tmp: resume("plain", "ddp", "standard", tmp, exact=False),
+        "async save under fsdp2": async_save_snapshot,
+    },
+    3: {
+        "fsdp2 -> fsdp2 (3 ranks)": lambda tmp: resume("fsdp2", "fsdp2", "in_backward", tmp, exact=False),
+        "ddp -> fsdp2 standard optimizer (3 ranks)": lambda tmp: resume("ddp", "fsdp2", "standard", tmp, exact=False),
+    },
+    4: {
+        "fsdp2 -> fsdp2 (4 ranks)": lambda tmp: resume("fsdp2", "fsdp2", "in_backward", tmp, exact=False),
+        "fsdp2 -> ddp (4 ranks)": lambda tmp: resume("fsdp2", "ddp", "in_backward", tmp, exact=False),
+    },
+}
+
+
+def _worker(rank: int, world: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, f"store{world}"), world), rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    results: dict[str, str | None] = {}
+    try:
+        for name, scenario in PHASES[world].items():
+            try:
+                scenario(Path(tmp))
+                results[name] = None
+            except Exception as e:
+                results[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"
+            dist.barrier()
+    finally:
+        with open(os.path.join(tmp, f"results{world}-{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, tmp: Path) -> dict[str, list[str]]:
+    mp.spawn(_worker, args=(world, str(tmp)), nprocs=world, join=True)
+    failures: dict[str, list[str]] = {}
+    for rank in range(world):
+        results = json.loads((tmp / f"results{world}-{rank}.json").read_text())
+        for name in PHASES[world]:
+            error = results.get(name, "did not run")
+            if error is not None:
+                failures.setdefault(name, []).append(f"[rank {rank}] {error}")
+    return failures
+
+
+def test_resume_across_world_sizes_wrappers_and_optimizer_kinds(tmp_path):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    failures: dict[str, list[str]] = {}
+
+    def single(name, fn):
+        try:
+            fn()
+        except Exception as e:
+            failures[name] = [f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"]
+
+    single("plain uninterrupted", lambda: uninterrupted("plain", tmp_path))
+    failures.update(_spawn(2, tmp_path))
+    single("fsdp2 -> plain (1 process)", lambda: resume("fsdp2", "plain", "in_backward", tmp_path, exact=False))
+    single("ddp -> plain standard optimizer (1 process)",
+           lambda: resume("ddp", "plain", "standard", tmp_path, exact=False))
+    failures.update(_spawn(3, tmp_path))
+    failures.update(_spawn(4, tmp_path))
+    assert not failures, f"{len(failures)} resume scenario(s) failed: " + ", ".join(failures) + "\n\n" + "\n".join(
+        f"== {name}\n" + "\n".join(errors) for name, errors in failures.items())
+
+
+# -- a rank killed while a checkpoint is being written ---------------------------------------------------------------
+def _crashing_worker(rank: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 2), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    model, opt, sched = setup("fsdp2", "in_backward")
+    manager = CheckpointManager(Path(tmp) / "ck", keep_last=1)
+    train(model, opt, sched, "in_backward", range(2))
+    manager.save(2, model=model, optimizer=opt, schedulers=sched)
+    params = full_params(model)
+    if rank == 0:
+        torch.save(params, Path(tmp) / "ref.pt")
+    train(model, opt, sched, "in_backward", range(2, 3))
+    if rank == 1:
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        def die(self, plan, planner):  # the kill lands in the middle of writing this rank's shard
+            (Path(self.path) / "__1_0.distcp").write_bytes(b"half a shard")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        FileSystemWriter.write_data = die
+    dist.barrier()
+    manager.save(3, model=model, optimizer=opt, schedulers=sched)  # rank 1 dies; rank 0 never gets to commit
+
+
+def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with pytest.raises(mp.ProcessExitedException, match="signal SIGKILL"):
+        mp.spawn(_crashing_worker, args=(str(tmp_path),), nprocs=2, join=True)
+    assert (tmp_path / "ck" / "step_00000003.partial").is_dir()
+    manager = CheckpointManager(tmp_path / "ck", keep_last=1)
+    assert manager.latest() == tmp_path / "ck" / "step_00000002"
+    model, opt, sched = setup("plain", "in_backward", seed=7)
+    result = manager.load("latest", model=model, optimizer=opt, schedulers=sched)
+    assert result.step == 2
+    compare(full_params(model), tmp_path / "ref.pt", exact=True)
+    # the next save of the restarted job replaces the unfinished folder
+    train(model, opt, sched, "in_backward", range(2, 3))
+    manager.save(3, model=model, optimizer=opt, schedulers=sched)
+    assert [p.name for p in manager.checkpoints()] == ["step_00000003"]
+    assert not (tmp_path / "ck" / "step_00000003.partial").exists()
+    model2 = copy.deepcopy(model)
+    load(tmp_path / "ck" / "step_00000003", model=model2)
+
+
+def test_save_refuses_an_optimizer_that_trains_another_model(tmp_path):
+    model = make_model()
+    opt = torch.optim.AdamW(make_model().parameters())
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] .* is not a parameter of the model"):
+        save(tmp_path / "ck", model=model, optimizer=opt)
+    assert not (tmp_path / "ck.partial").exists() and not (tmp_path / "ck").exists()
