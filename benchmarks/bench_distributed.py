@@ -281,11 +281,13 @@ def median_record(records: list[dict[str, int]], key: str) -> dict[str, int]:
 
 
 # -- one rank -------------------------------------------------------------------------------------------------------
-def rank_main(rank: int, store_path: str, args: argparse.Namespace, result_dir: str) -> None:
+def rank_main(rank: int, store_path: str, args: argparse.Namespace, result_dir: str,
+              run: Callable[[int, str, argparse.Namespace], dict[str, Any]] | None = None) -> None:
+    """One spawned rank: ``run`` (default :func:`run_rank`), its result or traceback written as JSON."""
     result: dict[str, Any]
     with filtered_stderr(os.path.join(result_dir, f"rank{rank}.stderr")):
         try:
-            result = run_rank(rank, store_path, args)
+            result = (run or run_rank)(rank, store_path, args)
         except Exception:
             result = {"error": traceback.format_exc()}
     with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
@@ -443,14 +445,16 @@ class SpawnRun(Run):
         self.contention = TreeContention()
 
 
-def spawn_ranks(args: argparse.Namespace, tmp: str, shim: str | None) -> list[dict[str, Any]]:
+def spawn_ranks(args: argparse.Namespace, tmp: str, shim: str | None,
+                run: Callable[[int, str, argparse.Namespace], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """``run`` (default :func:`run_rank`) on WORLD spawned ranks; their results, or the failed ranks' tracebacks."""
     saved = {k: os.environ.get(k) for k in ("LD_PRELOAD", "DIST_OPTIM_BENCH_HEAP_SHIM")}
     if shim is not None:  # spawned interpreters inherit the environment
         os.environ["LD_PRELOAD"] = " ".join(x for x in (shim, saved["LD_PRELOAD"]) if x)
         os.environ["DIST_OPTIM_BENCH_HEAP_SHIM"] = shim
     failed: BaseException | None = None
     try:
-        mp.spawn(rank_main, args=(os.path.join(tmp, "store"), args, tmp), nprocs=WORLD, join=True)
+        mp.spawn(rank_main, args=(os.path.join(tmp, "store"), args, tmp, run), nprocs=WORLD, join=True)
     except Exception as e:  # a rank failed: its traceback is in its result file
         failed = e
     finally:
