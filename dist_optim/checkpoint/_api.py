@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from .._inputs import is_dtensor
 from . import _storage
@@ -164,8 +165,7 @@ class AsyncSave:
     """A save in flight (``save(..., async_save=True)``): the state was copied before ``save`` returned, so
     training may go on; the checkpoint becomes visible (committed by rank 0) when the upload finishes."""
 
-    def __init__(self, future: Any, on_done: Any) -> None:
-        self._lock = threading.Lock()
+    def __init__(self, future: Any, on_done: Any, cleanup: Any = None) -> None:
         self._error: BaseException | None = None
         self._done = threading.Event()
         future = getattr(future, "upload_completion", future)
@@ -178,6 +178,8 @@ class AsyncSave:
             except BaseException as e:  # noqa: BLE001 - reported by wait()
                 self._error = e
             finally:
+                if cleanup is not None:
+                    cleanup()
                 self._done.set()
 
         future.add_done_callback(finish)
@@ -238,8 +240,10 @@ def save(
     rank0 = _rank(process_group) == 0
     with _single_process_is_intended():
         if async_save:
-            future = dcp.async_save(tensors, storage_writer=writer, process_group=process_group)
-            return AsyncSave(future, lambda: _storage.commit(path, text, marker) if rank0 else None)
+            # DCP's default stager takes the CPU copy (the writer's own staging copies DTensors twice, 2-5x slower)
+            stager = DefaultStager(StagingOptions(False, False, False, False))
+            future = dcp.async_save(tensors, storage_writer=writer, process_group=process_group, async_stager=stager)
+            return AsyncSave(future, lambda: _storage.commit(path, text, marker) if rank0 else None, stager.close)
         dcp.save(tensors, storage_writer=writer, process_group=process_group)
     _on_rank0(lambda: _storage.commit(path, text, marker), process_group)
     return None
