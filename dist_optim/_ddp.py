@@ -4,12 +4,17 @@ Per-parameter hooks would see the local gradient, before DDP's all-reduce: under
 hooks are not registered and this hook drives the steps instead. Reductions are launched as DDP asks; a bucket is
 stepped once its reduction is done, checked at each later hook call and waited for at the end of backward, always
 on the autograd thread. DDP is told (``_set_optimizer_in_backward``) not to write the gradients back to ``.grad``.
+
+With ``find_unused_parameters=True`` (or ``static_graph=True``) DDP reduces a zero for a parameter unused on this
+rank; whether some other rank used it is known only after DDP's finalize. A bucket holding such a parameter waits
+until then, and a parameter unused on every rank gets no gradient, so it is not stepped (as in the standard loop).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -28,17 +33,37 @@ def _mean_allreduce(process_group: Any, bucket: dist.GradBucket) -> torch.future
 
 def ddp_managed(ddp: nn.parallel.DistributedDataParallel) -> set[int]:
     """Ids of the parameters DDP reduces (those it does not ignore and that require grad)."""
+    return set(reducer_indices(ddp))
+
+
+def reducer_indices(ddp: nn.parallel.DistributedDataParallel) -> dict[int, int]:
+    """id(param) -> the parameter's index in DDP's reducer, which indexes ``reducer._get_local_used_map()``: the
+    order of ``DistributedDataParallel._build_params_for_reducer`` (modules, then their own parameters, first
+    occurrence of a shared one)."""
     ignored = getattr(ddp, "parameters_to_ignore", set())
-    return {id(p) for name, p in ddp.module.named_parameters() if p.requires_grad and name not in ignored}
+    index: dict[int, int] = {}
+    for module_name, module in ddp.module.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            if p.requires_grad and f"{module_name}.{name}" not in ignored and id(p) not in index:
+                index[id(p)] = len(index)
+    return index
 
 
 def check_ddp(ddp: nn.parallel.DistributedDataParallel) -> None:
-    if ddp.find_unused_parameters:
+    if (ddp.find_unused_parameters or ddp.static_graph) and not hasattr(ddp.reducer, "_get_local_used_map"):
         raise NotImplementedError(
-            "DDP with find_unused_parameters=True is not supported yet: which parameters were unused on every "
-            "rank is known only after DDP's finalize. Build DDP with find_unused_parameters=False (the default), "
-            "or use a standard optimizer"
+            f"this torch ({torch.__version__}) has no DDP reducer._get_local_used_map, which tells which parameters "
+            "were unused on every rank (find_unused_parameters=True, static_graph=True). Use a torch with it, or a "
+            "standard optimizer"
         )
+
+
+class _Reduction(NamedTuple):
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]  # views of DDP's bucket
+    buffer: torch.Tensor
+    fut: torch.futures.Future
+    unused: list[bool] | None  # which parameters had no gradient on this rank, if any did
 
 
 class DDPCommHook:
@@ -50,7 +75,11 @@ class DDPCommHook:
         self.engine = engine
         self.inner = inner if inner is not None else _mean_allreduce
         self.inner_state = inner_state if inner is not None else ddp.process_group
-        self.pending: list[tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.futures.Future]] = []
+        self.ddp = weakref.ref(ddp)  # DDP holds this hook: a strong reference would be a cycle through C++
+        self.index = reducer_indices(ddp)
+        self.pending: list[_Reduction] = []
+        self.deferred: list[_Reduction] = []  # reduced, waiting for DDP's finalize to say which params were used
+        self.requeued = False
         ddp.register_comm_hook(self, DDPCommHook.hook)
         ddp.reducer._set_optimizer_in_backward()  # otherwise DDP re-creates every .grad at the end of backward
 
@@ -65,30 +94,68 @@ class DDPCommHook:
             )
         # Captured before the inner hook: compression wrappers replace the bucket's buffer.
         params, grads, buffer = bucket.parameters(), bucket.gradients(), bucket.buffer()
+        unused = None
+        ddp = self.ddp()
+        if ddp is not None and (ddp.find_unused_parameters or ddp.static_graph):
+            # DDP reduced a zero for each of these; the standard loop leaves .grad None for those unused everywhere
+            unused = [p.grad is None for p in params]
+            if not any(unused):
+                unused = None
         for p in params:
             # DDP has copied the gradient into its bucket (or .grad is a view of it): the step reads the bucket,
             # so a separate .grad (gradient_as_bucket_view=False) is freed now, not when the reduction is done.
             p.grad = None
         fut = self.inner(self.inner_state, bucket)
-        self.pending.append((params, grads, buffer, fut))
+        self.pending.append(_Reduction(params, grads, buffer, fut, unused))
         self.step_ready(wait=False)
         return fut
 
     def step_ready(self, wait: bool) -> None:
-        """Step the pending buckets, in order, whose reduction is done (all of them if ``wait``)."""
+        """Step the pending buckets, in order, whose reduction is done (all of them if ``wait``); defer those
+        with a parameter unused on this rank."""
         while self.pending:
-            params, grads, buffer, fut = self.pending[0]
-            if not (wait or fut.done()):
+            r = self.pending[0]
+            if not (wait or r.fut.done()):
                 return
-            result = fut.wait()
+            result = r.fut.wait()
             if isinstance(result, list):
                 result = result[0]
-            if result is not buffer and result.data_ptr() != buffer.data_ptr():
-                buffer.copy_(result)
+            if result is not r.buffer and result.data_ptr() != r.buffer.data_ptr():
+                r.buffer.copy_(result)
             self.pending.pop(0)
-            for p, g in zip(params, grads):
+            if r.unused is not None:
+                self.deferred.append(r)
+                continue
+            for p, g in zip(r.params, r.grads):
                 p.grad = g  # a view of DDP's bucket, which DDP keeps; stepping drops the reference
-            self.engine.complete(self.engine.comm_bucket(params))
+            self.engine.complete(self.engine.comm_bucket(r.params))
 
-    def finish(self) -> None:
+    def finish(self) -> bool:
+        """Step every bucket left; False when some wait for DDP's finalize, which is queued after the calling
+        end-of-backward callback: call again from a callback queued now, which runs after it."""
         self.step_ready(wait=True)
+        if not self.deferred:
+            return True
+        if not self.requeued:
+            self.requeued = True
+            return False
+        ddp = self.ddp()
+        assert ddp is not None, "a DDP model whose hook ran was garbage-collected during its backward"
+        used = ddp.reducer._get_local_used_map().tolist()  # summed over ranks by DDP's finalize
+        assert len(used) == len(self.index), f"DDP reduces {len(used)} parameters, the hook knows {len(self.index)}"
+        deferred, self.deferred, self.requeued = self.deferred, [], False
+        for r in deferred:
+            stepped = False
+            for p, g, unused_here in zip(r.params, r.grads, r.unused):
+                if not unused_here or used[self.index[id(p)]]:
+                    p.grad = g
+                    stepped = True
+            if stepped:
+                self.engine.complete(self.engine.comm_bucket(r.params))
+        return True
+
+    def reset(self) -> None:
+        """Forget the reductions of a backward that raised: they are not stepped by the next one."""
+        self.pending.clear()
+        self.deferred.clear()
+        self.requeued = False

@@ -138,7 +138,7 @@ class Engine:
             self.open_bytes = 0
         self.held.clear()
         if self.comm is not None:
-            self.comm.pending.clear()  # reductions of a backward that raised are not stepped later
+            self.comm.reset()
         if self.recheck_world and torch.distributed.is_available() and torch.distributed.is_initialized():
             self.owner._check_still_single_process()
         self.previous_task, self.task = self.task, tid
@@ -222,8 +222,9 @@ class Engine:
             _refuse_nested_backward()
         if not self.stepping:
             return
-        if self.comm is not None:
-            self.comm.finish()
+        if self.comm is not None and not self.comm.finish():
+            _queue_callback(lambda: self._end_of_backward(tid))  # runs after DDP's finalize
+            return
         if self.open:
             self._close_open_bucket()
         for b in self.buckets:

@@ -7,6 +7,7 @@ scenarios run inside one process group (start-up is the slow part); a failure li
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import traceback
@@ -50,6 +51,7 @@ def _check_equal(a, b, opt, ref_opt):
         assert p.grad is None, f"{name}.grad left after backward"
     sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
     assert sd["param_groups"] == ref_sd["param_groups"]
+    assert sd["state"].keys() == ref_sd["state"].keys()
     for k, state in ref_sd["state"].items():
         for key, v in state.items():
             assert torch.equal(sd["state"][k][key], v), f"state[{k}][{key}]"
@@ -57,6 +59,7 @@ def _check_equal(a, b, opt, ref_opt):
 
 def _train(a, b, opt, ref_opt, rank, steps=3, micro=1, clip=None):
     data = batches(steps * micro, width=16, seed=10 + rank)
+    norms = []
     for s in range(steps):
         for m in range(micro):
             batch = data[s * micro + m]
@@ -68,12 +71,64 @@ def _train(a, b, opt, ref_opt, rank, steps=3, micro=1, clip=None):
                     with model.no_sync():
                         (loss_of(model, batch) / micro).backward()
         if clip is not None:
-            norm = nn.utils.clip_grad_norm_(b.parameters(), clip)
-            assert torch.equal(opt.grad_norm, norm)
+            norms.append(torch.equal(opt.grad_norm, nn.utils.clip_grad_norm_(b.parameters(), clip)))
         ref_opt.step()
         ref_opt.zero_grad()
+    assert all(norms), f"grad norms equal per step: {norms}"  # after the loop: a rank leaving early would hang
     moved = make_model(width=16)
     assert any(not torch.equal(p, q) for p, q in zip(a.module.parameters(), moved.parameters()))
+
+
+class Branchy(nn.Module):
+    """Parameters used unevenly: ``never`` on no rank, ``rank0`` on rank 0 only, ``odd`` on odd steps only (so
+    unused everywhere at step 0 and again at step 2, after it has optimizer state), ``alternate`` by one rank per
+    step. ``static=True`` keeps only the usage that does not change with the step (for ``static_graph``)."""
+
+    def __init__(self, static: bool = False, width: int = 16) -> None:
+        super().__init__()
+        self.static = static
+        self.trunk = nn.Linear(width, width)
+        self.never = nn.Linear(width, width)
+        self.rank0 = nn.Linear(width, width)
+        self.odd = nn.Linear(width, width)
+        self.alternate = nn.Linear(width, width)
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        x = torch.tanh(self.trunk(x))
+        if dist.get_rank() == 0:
+            x = torch.tanh(self.rank0(x))
+        if not self.static and step % 2 == 1:
+            x = torch.tanh(self.odd(x))
+        if not self.static and (step + dist.get_rank()) % 2 == 0:
+            x = torch.tanh(self.alternate(x))
+        return self.head(x)
+
+
+def _unused_pair(static=False, **ddp_kwargs):
+    torch.manual_seed(0)
+    base = Branchy(static)
+    return [DDP(copy.deepcopy(base), bucket_cap_mb=0.002, **ddp_kwargs) for _ in range(2)]
+
+
+def _train_unused(a, b, opt, ref_opt, rank, steps=4, micro=1, clip=None):
+    never = a.module.never.weight.detach().clone()
+    data = batches(steps * micro, width=16, seed=10 + rank)
+    norms = []
+    for s in range(steps):
+        for m in range(micro):
+            x, y = data[s * micro + m]
+            for model in (a, b):
+                context = model.no_sync() if m < micro - 1 else contextlib.nullcontext()
+                with context:
+                    # micro-batches step on s * micro + m: a parameter used in an earlier one only is still used
+                    (nn.functional.mse_loss(model(x, s * micro + m), y) / micro).backward()
+        if clip is not None:
+            norms.append(torch.equal(opt.grad_norm, nn.utils.clip_grad_norm_(b.parameters(), clip)))
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert all(norms), f"grad norms equal per step: {norms}"
+    assert torch.equal(a.module.never.weight, never)  # the scenario has a parameter unused everywhere
 
 
 def _scenarios(rank):
@@ -137,9 +192,6 @@ def _scenarios(rank):
         _check_equal(a, b, opt, ref_opt)
 
     def refusals():
-        a, _ = _pair(dict(find_unused_parameters=True))
-        with pytest.raises(NotImplementedError, match="find_unused_parameters=True is not supported"):
-            dist_optim.InBackwardOptimizer(a, cls, **kwargs)
         a, _ = _pair({})
         with pytest.raises(NotImplementedError, match="accumulation_steps > 1 with DDP.*no_sync"):
             dist_optim.InBackwardOptimizer(a, cls, accumulation_steps=2, **kwargs)
@@ -154,6 +206,52 @@ def _scenarios(rank):
         with pytest.raises(NotImplementedError, match="cannot detach from a DistributedDataParallel model"):
             opt.remove()
 
+    for name in ("AdamW-fused", "SGD-momentum", "Adam-foreach"):
+        for view in (False, True):
+            def unused(cls=OPTIMIZERS[name][0], kwargs=OPTIMIZERS[name][1], view=view):
+                a, b = _unused_pair(find_unused_parameters=True, gradient_as_bucket_view=view)
+                opt = dist_optim.InBackwardOptimizer(a, cls, **kwargs)
+                ref_opt = cls(b.named_parameters(), **kwargs)
+                _train_unused(a, b, opt, ref_opt, rank)
+                _check_equal(a, b, opt, ref_opt)
+
+            yield f"find_unused/{name}/bucket_view={view}", unused
+
+    for find_unused in (False, True):
+        def unused_static(find_unused=find_unused):
+            a, b = _unused_pair(static=True, static_graph=True, find_unused_parameters=find_unused)
+            opt = dist_optim.InBackwardOptimizer(a, cls, **kwargs)
+            ref_opt = cls(b.named_parameters(), **kwargs)
+            _train_unused(a, b, opt, ref_opt, rank)
+            _check_equal(a, b, opt, ref_opt)
+
+        yield f"static_graph/find_unused={find_unused}/unused_parameters", unused_static
+
+    def unused_no_sync():
+        a, b = _unused_pair(find_unused_parameters=True)
+        opt = dist_optim.InBackwardOptimizer(a, cls, **kwargs)
+        ref_opt = cls(b.named_parameters(), **kwargs)
+        _train_unused(a, b, opt, ref_opt, rank, steps=3, micro=2)
+        _check_equal(a, b, opt, ref_opt)
+
+    def unused_clipping():
+        a, b = _unused_pair(find_unused_parameters=True)
+        opt = dist_optim.InBackwardOptimizer(a, cls, max_grad_norm=0.05, **kwargs)
+        ref_opt = cls(b.named_parameters(), **kwargs)
+        _train_unused(a, b, opt, ref_opt, rank, clip=0.05)
+        _check_equal(a, b, opt, ref_opt)
+
+    def unused_compression():  # the hook's result is a new tensor, copied into DDP's bucket before the step
+        a, b = _unused_pair(find_unused_parameters=True, gradient_as_bucket_view=True)
+        b.register_comm_hook(None, fp16_compress_hook)
+        opt = dist_optim.InBackwardOptimizer(a, cls, ddp_comm_hook=fp16_compress_hook, **kwargs)
+        ref_opt = cls(b.named_parameters(), **kwargs)
+        _train_unused(a, b, opt, ref_opt, rank)
+        _check_equal(a, b, opt, ref_opt)
+
+    yield "find_unused/no_sync_accumulation", unused_no_sync
+    yield "find_unused/fp16_compress_hook", unused_compression
+    yield "find_unused/exact_clipping", unused_clipping
     yield "static_graph", static_graph
     yield "default_buckets", default_buckets
     yield "no_sync_accumulation", no_sync_accumulation
@@ -163,7 +261,13 @@ def _scenarios(rank):
     yield "refusals", refusals
 
 
-FOUR_RANK_SCENARIOS = {"AdamW-fused/bucket_view=False", "SGD-momentum/bucket_view=True", "no_sync_accumulation"}
+FOUR_RANK_SCENARIOS = {
+    "AdamW-fused/bucket_view=False",
+    "SGD-momentum/bucket_view=True",
+    "no_sync_accumulation",
+    "find_unused/AdamW-fused/bucket_view=True",
+    "find_unused/SGD-momentum/bucket_view=False",
+}
 
 
 def _worker(rank: int, world: int, store_path: str, result_dir: str) -> None:
@@ -190,3 +294,14 @@ def test_ddp_equals_the_standard_loop(tmp_path, world):
     mp.spawn(_worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True)
     failures = [(tmp_path / f"rank{r}.txt").read_text() for r in range(world)]
     assert not any(failures), "failed DDP scenarios (name: traceback):\n" + "\n".join(failures)
+
+
+def test_refuses_a_torch_without_the_used_map():
+    from types import SimpleNamespace
+
+    from dist_optim._ddp import check_ddp
+
+    ddp = SimpleNamespace(find_unused_parameters=True, static_graph=False, reducer=object())
+    with pytest.raises(NotImplementedError, match="no DDP reducer._get_local_used_map"):
+        check_ddp(ddp)
+    check_ddp(SimpleNamespace(find_unused_parameters=False, static_graph=False, reducer=object()))
