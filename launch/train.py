@@ -1,0 +1,114 @@
+"""Train a small byte-level GPT on the Python stdlib's own sources, with the AdamW step inside the backward pass.
+
+The launch manual (run from the repository root, after ``pip install -e .``; every flag: ``--help``):
+
+One process (no process group; ``--parallel none``)::
+
+    python launch/train.py --steps 50
+
+One machine, two processes (FSDP2 by default: ``fully_shard`` on each block, then the root; gloo on CPU, NCCL
+with one GPU per process when CUDA is present)::
+
+    torchrun --standalone --nproc-per-node 2 launch/train.py --steps 50
+    torchrun --standalone --nproc-per-node 2 launch/train.py --steps 50 --parallel ddp
+
+Two machines (run the same command on both, HOST:PORT being the first machine's address and a free port;
+``--rdzv-id`` names the job)::
+
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id gpt \\
+        launch/train.py --steps 50
+
+Options that change the training loop:
+
+- ``--optimizer-mode standard``: ``loss.backward(); opt.step(); opt.zero_grad()`` with fused ``torch.optim.AdamW``
+  instead of ``dist_optim.InBackwardOptimizer``: the same losses, bitwise where the arithmetic is the same.
+- ``--accumulation-steps K``: K micro-batches per step (``no_sync()`` under DDP, ``set_requires_gradient_sync``
+  under FSDP2, ``accumulation_steps=K`` in one process). ``--batch-size`` is the global batch per step; it must
+  divide by world size x K, and the batches are the same whatever the world size.
+- ``--max-grad-norm C [--clip-mode exact|per_parameter|previous_norm]``: clipping (docs/clipping.md); ``exact``
+  holds the step's gradients until backward ends and so gives up the memory saving.
+- ``--checkpoint-every N`` and ``--resume latest`` (or a checkpoint path, or a step number): checkpoints go to
+  RUN_DIR/checkpoints and resume on any number of processes; a resumed run gives the losses of an uninterrupted one.
+- ``--compare``: train the job with both loops, step by step, and write RUN_DIR/compare/report.md, report.json and
+  compare.png (loss curves, their max difference, step times, per-rank peak memory and one step's memory timeline).
+
+Output: a progress line per step on rank 0, RUN_DIR/metrics.jsonl (one JSON object per step), TensorBoard events in
+RUN_DIR/tensorboard when TensorBoard is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import sys
+
+from corpus import Corpus
+from runtime import LaunchError, resolve_parallel, start, stop
+from train_config import TrainConfig, parse_config
+
+log = logging.getLogger("train")
+
+
+def train(cfg: TrainConfig, rt, parallel: str, corpus: Corpus) -> None:
+    from ckpt import Checkpoints
+    from run_log import RunLog
+    from train_loop import Job
+
+    job = Job(cfg, rt, corpus, parallel, cfg.optimizer_mode)
+    checkpoints = Checkpoints(pathlib.Path(cfg.run_dir) / "checkpoints", cfg.keep_checkpoints)
+    first = 0
+    if cfg.resume is not None:
+        found = checkpoints.load(cfg.resume, job)
+        if found is None:
+            log.info("no checkpoint in %s: starting fresh", checkpoints.directory)
+        else:
+            step, extra, path = found
+            first = step + 1
+            log.info("resumed from %s (step %d, saved by %d process(es))", path, step, extra.get("world", 0))
+    if rt.is_main:
+        log.info("%s, %d process(es), %s, %s mode, %.2fM parameters, %d steps", cfg.run_dir, rt.world, parallel,
+                 cfg.optimizer_mode, job.n_params / 1e6, cfg.steps)
+    run_log = RunLog(cfg.run_dir, rt.is_main, cfg.log_every, resume_step=first - 1 if cfg.resume else None)
+    for step in range(first, cfg.steps):
+        run_log.record(job.step(step))
+        if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step == cfg.steps - 1):
+            checkpoints.save(step, job, extra={"world": rt.world, "parallel": parallel})
+    run_log.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        rt = start(cfg.device, cfg.threads)
+    except LaunchError as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 2
+    if not rt.is_main:
+        logging.getLogger().setLevel(logging.WARNING)
+    try:
+        parallel = resolve_parallel(cfg.parallel, rt)
+        if cfg.compare and (cfg.resume or cfg.checkpoint_every):
+            raise LaunchError("--compare trains two jobs from scratch: drop --resume and --checkpoint-every")
+        corpus = Corpus(cfg.corpus_mb, cfg.block_size, cfg.seed)
+        if rt.is_main:
+            pathlib.Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+            (pathlib.Path(cfg.run_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
+        if cfg.compare:
+            from compare import compare
+
+            compare(cfg, rt, parallel, corpus)
+        else:
+            train(cfg, rt, parallel, corpus)
+    except LaunchError as e:
+        if rt.is_main:
+            print(f"train.py: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        stop(rt)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""The training run's typed configuration, and the command line generated from it.
+
+Every field of :class:`TrainConfig` is a flag (``max_grad_norm`` -> ``--max-grad-norm``) whose help text is the
+field's ``help`` metadata, so the flags, their types, defaults and documentation cannot drift apart. A bad flag or
+value is a one-line error and exit code 2 (argparse's convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["TrainConfig", "parse_config"]
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class TrainConfig:
+    # model
+    n_layer: int = _opt(4, "transformer blocks")
+    n_head: int = _opt(4, "attention heads per block")
+    n_embd: int = _opt(128, "embedding width (a multiple of --n-head)")
+    block_size: int = _opt(128, "context length in bytes")
+    tie_weights: bool = _opt(True, "share the embedding matrix with the output head")
+    # data
+    corpus_mb: float = _opt(2.0, "MiB of the Python stdlib's .py sources to train on (a fixed sorted order, then capped)")
+    batch_size: int = _opt(16, "global batch in sequences per optimizer step, split over ranks and micro-batches; "
+                               "the same batches whatever the world size")
+    accumulation_steps: int = _opt(1, "micro-batches per optimizer step")
+    seed: int = _opt(0, "seed of the initial model and of the batches")
+    # optimization
+    steps: int = _opt(200, "optimizer steps")
+    lr: float = _opt(3e-3, "peak learning rate")
+    min_lr_ratio: float = _opt(0.1, "final lr as a fraction of --lr (cosine decay)")
+    warmup_steps: int = _opt(20, "linear warm-up steps")
+    weight_decay: float = _opt(0.1, "AdamW weight decay")
+    beta1: float = _opt(0.9, "AdamW beta1")
+    beta2: float = _opt(0.95, "AdamW beta2")
+    max_grad_norm: float | None = _opt(None, "clip gradients to this global norm (off by default)")
+    clip_mode: str = _opt("exact", "how --max-grad-norm clips in backward (docs/clipping.md); the standard loop "
+                                    "does the same arithmetic",
+                          ("exact", "per_parameter", "previous_norm"))
+    track_grad_norm: bool = _opt(False, "log the gradient norm every step even without clipping (one more read of "
+                                        "the gradients)")
+    optimizer_mode: str = _opt("in_backward", "in_backward: dist_optim.InBackwardOptimizer; standard: "
+                                              "loss.backward(); opt.step(); opt.zero_grad()",
+                               ("in_backward", "standard"))
+    bucket_cap_mb: float = _opt(4.0, "in-backward bucket size in MiB of gradients")
+    # parallelism
+    parallel: str = _opt("auto", "wrapper: fsdp2 (fully_shard per block, then the root), ddp, none (one "
+                                 "process); auto = fsdp2 when the world size is > 1, else none",
+                         ("auto", "fsdp2", "ddp", "none"))
+    device: str = _opt("auto", "auto = cuda:LOCAL_RANK (NCCL) when CUDA is present, else cpu (gloo)",
+                       ("auto", "cpu", "cuda"))
+    threads: int = _opt(0, "intra-op threads per process; 0 = the cores divided by the local processes")
+    # run directory, logging, checkpoints
+    run_dir: str = _opt("runs/gpt", "directory for metrics.jsonl, TensorBoard events, checkpoints and reports")
+    log_every: int = _opt(1, "print a progress line every N steps (rank 0); metrics.jsonl gets every step")
+    checkpoint_every: int = _opt(0, "save a checkpoint every N steps (0: never); also at the last step when > 0")
+    keep_checkpoints: int = _opt(3, "checkpoints kept on disk (the oldest are deleted)")
+    resume: str | None = _opt(None, "'latest' (the newest checkpoint in RUN_DIR/checkpoints, or a fresh start), "
+                                    "a checkpoint directory, or a step number")
+    # comparison
+    compare: bool = _opt(False, "train the same job with the standard loop and in backward, interleaved step by "
+                                "step, and write RUN_DIR/compare/report.{md,json} and compare.png")
+    profile_step: int = _opt(-1, "--compare: the step whose memory is profiled (-1: the last one)")
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.n_layer >= 1, f"n_layer must be >= 1, got {self.n_layer!r}"),
+            (self.n_head >= 1 and self.n_embd % self.n_head == 0,
+             f"n_embd must be a multiple of n_head, got {self.n_embd} and {self.n_head}"),
+            (self.block_size >= 2, f"block_size must be >= 2, got {self.block_size!r}"),
+            (self.corpus_mb > 0, f"corpus_mb must be > 0, got {self.corpus_mb!r}"),
+            (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size!r}"),
+            (self.accumulation_steps >= 1, f"accumulation_steps must be >= 1, got {self.accumulation_steps!r}"),
+            (self.steps >= 1, f"steps must be >= 1, got {self.steps!r}"),
+            (self.lr > 0, f"lr must be > 0, got {self.lr!r}"),
+            (0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}"),
+            (self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps!r}"),
+            (self.max_grad_norm is None or self.max_grad_norm > 0,
+             f"max_grad_norm must be > 0 (or none), got {self.max_grad_norm!r}"),
+            (self.bucket_cap_mb > 0, f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}"),
+            (self.threads >= 0, f"threads must be >= 0, got {self.threads!r}"),
+            (self.log_every >= 1, f"log_every must be >= 1, got {self.log_every!r}"),
+            (self.checkpoint_every >= 0, f"checkpoint_every must be >= 0, got {self.checkpoint_every!r}"),
+            (self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints!r}"),
+        ]
+        for ok, rule in checks:
+            if not ok:
+                raise ValueError(rule)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _flag_type(tp: Any) -> tuple[Any, bool]:
+    """(argparse type, optional?) of a field annotation such as ``float | None``."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        return inner, True
+    return tp, False
+
+
+def _optional(tp: type) -> Any:
+    def conv(text: str) -> Any:  # "none" switches an optional setting off
+        return None if text.lower() == "none" else tp(text)
+
+    conv.__name__ = tp.__name__  # argparse names the type in its error message
+    return conv
+
+
+def _bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+class _OneLineErrors(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineErrors(
+        prog="train.py",
+        description="Train a small byte-level GPT on the Python stdlib sources, with the optimizer step in backward.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        tp, optional = _flag_type(hints[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata["help"], "dest": f.name}
+        if tp is bool:
+            kwargs.update(type=_bool, nargs="?", const=True, metavar="BOOL")
+        else:
+            kwargs.update(type=_optional(tp) if optional else tp, metavar=tp.__name__.upper())
+        if f.metadata["choices"]:
+            kwargs.update(choices=f.metadata["choices"], metavar=None)
+        parser.add_argument(flag, **kwargs)
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    """Parse ``argv`` into a :class:`TrainConfig`; exits with code 2 and a one-line message on a bad flag/value."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return TrainConfig(**vars(ns))
+    except ValueError as e:
+        parser.error(str(e))

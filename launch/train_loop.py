@@ -1,0 +1,134 @@
+"""One training job: the model, its optimizer (in backward, or the standard loop), the LR schedule, and one
+optimizer step over the step's micro-batches, with clipping and the gradient norm.
+
+Both optimizer modes do the same arithmetic: fused AdamW, the same clipping formula, the same lr per step, so
+their losses are bitwise equal where the wrapper reduces in the same order (checked by ``--compare``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import dist_optim
+from corpus import VOCAB_SIZE, Corpus
+from gpt import GPT, loss_fn
+from runtime import LaunchError, Runtime, sync_context, wrap
+from train_config import TrainConfig
+
+__all__ = ["Job", "StepResult"]
+
+
+class WarmupCosine:
+    """lr factor: linear warm-up to 1, then cosine decay to ``min_ratio`` (a class, so LambdaLR can save it)."""
+
+    def __init__(self, warmup: int, total: int, min_ratio: float) -> None:
+        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / (self.warmup + 1)
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float | None
+    tokens: int
+    seconds: float
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class Job:
+    """A model and optimizer built from ``cfg`` (same seed, same initial model on every rank and in every mode)."""
+
+    def __init__(self, cfg: TrainConfig, rt: Runtime, corpus: Corpus, parallel: str, mode: str) -> None:
+        per_step = rt.world * cfg.accumulation_steps
+        if cfg.batch_size % per_step:
+            raise LaunchError(
+                f"batch_size must be a multiple of world size x accumulation_steps = {rt.world} x "
+                f"{cfg.accumulation_steps}, got {cfg.batch_size}"
+            )
+        self.cfg, self.rt, self.corpus, self.parallel, self.mode = cfg, rt, corpus, parallel, mode
+        torch.manual_seed(cfg.seed)
+        model = GPT(VOCAB_SIZE, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.tie_weights)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.model = wrap(model, parallel, rt)
+        adamw = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "weight_decay": cfg.weight_decay}
+        if mode == "in_backward":
+            try:
+                self.opt = dist_optim.InBackwardOptimizer(
+                    self.model, torch.optim.AdamW,
+                    bucket_cap_mb=cfg.bucket_cap_mb,
+                    # wrappers accumulate through their own no-sync switch, one process through the engine's count
+                    accumulation_steps=cfg.accumulation_steps if parallel == "none" else 1,
+                    max_grad_norm=cfg.max_grad_norm, clip_mode=cfg.clip_mode,
+                    track_grad_norm=cfg.track_grad_norm, **adamw,
+                )
+            except (ValueError, NotImplementedError, RuntimeError) as e:
+                raise LaunchError(f"dist_optim refuses this setting: {e}") from e
+        else:
+            fused = rt.device.type in ("cpu", "cuda")
+            self.opt = torch.optim.AdamW(self.model.parameters(), fused=fused, **adamw)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, WarmupCosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+        )
+        self._previous_norm: torch.Tensor | None = None
+
+    def step(self, step: int) -> StepResult:
+        """One optimizer step: every micro-batch of global batch ``step``, then the step (in backward, or after)."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        lr = self.opt.param_groups[0]["lr"]
+        micro = self.corpus.micro_batches(step, cfg.batch_size, self.rt.rank, self.rt.world, cfg.accumulation_steps)
+        total = torch.zeros((), device=self.rt.device)
+        for j, (x, y) in enumerate(micro):
+            x, y = x.to(self.rt.device), y.to(self.rt.device)
+            with sync_context(self.model, self.parallel, j == len(micro) - 1):
+                loss = loss_fn(self.model(x), y) / len(micro)
+                loss.backward()  # in_backward mode: the last micro-batch's backward steps AdamW
+            total += loss.detach()
+        if self.mode == "standard":
+            norm = self._clip_standard()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        else:
+            norm = self.opt.grad_norm
+        self.sched.step()
+        loss_value = self.rt.mean(total).item()
+        return StepResult(
+            step=step, loss=loss_value, lr=lr,
+            grad_norm=None if norm is None else _full(norm).item(),
+            tokens=cfg.batch_size * cfg.block_size, seconds=time.perf_counter() - t0,
+        )
+
+    def _clip_standard(self) -> torch.Tensor | None:
+        """The standard loop's counterpart of the in-backward clipping options (docs/clipping.md), same arithmetic.
+        Returns the pre-clipping global norm where in-backward measures one."""
+        cfg = self.cfg
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        c, mode = cfg.max_grad_norm, cfg.clip_mode
+        norm = None
+        if cfg.track_grad_norm or (c is not None and mode != "per_parameter"):
+            norm = nn.utils.get_total_norm([p.grad for p in params])
+        if c is not None:
+            if mode == "exact":
+                nn.utils.clip_grads_with_norm_(params, c, norm)
+            elif mode == "per_parameter":
+                for p in params:
+                    nn.utils.clip_grad_norm_([p], c)
+            elif self._previous_norm is not None:
+                nn.utils.clip_grads_with_norm_(params, c, self._previous_norm)
+        self._previous_norm = norm
+        return norm
