@@ -317,3 +317,14 @@ def test_loading_never_executes_code_from_the_checkpoint(tmp_path):
     (tmp_path / "ck" / "dist_optim.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="dist_optim.json is corrupted"):
         load(tmp_path / "ck", model=model)
+
+
+def test_manager_rejects_unknown_objects_and_bad_settings(tmp_path):
+    with pytest.raises(ValueError, match="keep_last must be a positive int"):
+        CheckpointManager(tmp_path, keep_last=0)
+    manager = CheckpointManager(tmp_path)
+    with pytest.raises(TypeError, match=r"unexpected keyword\(s\) \['scheduler'\]"):
+        manager.save(1, model=make_model(), scheduler=None)
+    with pytest.raises(ValueError, match="non-negative int"):
+        manager.save(-1, model=make_model())
+    assert not any(tmp_path.iterdir())

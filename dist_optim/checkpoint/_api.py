@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -229,13 +229,22 @@ def save(
     visible at ``path`` until every rank has finished and rank 0 has renamed ``<path>.partial`` to ``path``; a
     crash leaves at most a ``.partial`` folder, which :func:`load` refuses and discovery ignores.
     """
-    path = Path(path)
+    return _save(Path(path), model, optimizer, schedulers, grad_scaler, averaged_model, extra, step, async_save,
+                 process_group)
+
+
+def _save(path: Path, model, optimizer, schedulers, grad_scaler, averaged_model, extra, step, async_save,
+          process_group, after_commit: Callable[[], Any] | None = None) -> AsyncSave | None:
     tensors, plain = _collect(model, optimizer, schedulers, grad_scaler, averaged_model, extra, step, process_group)
     text = dumps(plain)  # refuses what JSON cannot hold before anything is written
     marker = {"format": FORMAT, "step": step, "world_size": _world(process_group), "time": time.time()}
-    _on_rank0(lambda: _storage.prepare(path), process_group)
-    if _distributed(process_group):
-        dist.barrier(group=process_group)
+    _on_rank0(lambda: _storage.prepare(path), process_group)  # the other ranks wait for it here
+
+    def commit() -> None:  # rank 0; the other ranks do no work after it that rank 0 would wait for
+        _storage.commit(path, text, marker)
+        if after_commit is not None:
+            after_commit()
+
     writer = FileSystemWriter(_storage.partial_path(path))
     rank0 = _rank(process_group) == 0
     with _single_process_is_intended():
@@ -243,9 +252,9 @@ def save(
             # DCP's default stager takes the CPU copy (the writer's own staging copies DTensors twice, 2-5x slower)
             stager = DefaultStager(StagingOptions(False, False, False, False))
             future = dcp.async_save(tensors, storage_writer=writer, process_group=process_group, async_stager=stager)
-            return AsyncSave(future, lambda: _storage.commit(path, text, marker) if rank0 else None, stager.close)
+            return AsyncSave(future, commit if rank0 else lambda: None, stager.close)
         dcp.save(tensors, storage_writer=writer, process_group=process_group)
-    _on_rank0(lambda: _storage.commit(path, text, marker), process_group)
+    _on_rank0(commit, process_group)
     return None
 
 

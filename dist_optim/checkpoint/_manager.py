@@ -8,7 +8,9 @@ from typing import Any
 import torch.distributed as dist
 
 from . import _storage
-from ._api import AsyncSave, LoadResult, _distributed, _on_rank0, _rank, load, save
+from ._api import AsyncSave, LoadResult, _distributed, _on_rank0, _save, load
+
+_SAVE_KEYWORDS = frozenset({"model", "optimizer", "schedulers", "grad_scaler", "averaged_model", "extra"})
 
 __all__ = ["CheckpointManager"]
 
@@ -65,22 +67,26 @@ class CheckpointManager:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         self.wait()
-        path = self.path_for(step)
-        if self.async_save:
-            self._in_flight = save(path, step=step, async_save=True, process_group=self._save_group, **objects)
-        else:
-            save(path, step=step, process_group=self.process_group, **objects)
-            self._prune()
+        unknown = set(objects) - _SAVE_KEYWORDS
+        if unknown:
+            raise TypeError(f"CheckpointManager.save() got unexpected keyword(s) {sorted(unknown)}; it takes "
+                            f"{sorted(_SAVE_KEYWORDS)}")
+        objects = {k: objects.get(k) for k in _SAVE_KEYWORDS}
+        if objects["model"] is None:
+            raise TypeError("CheckpointManager.save() needs model=")
+        group = self._save_group if self.async_save else self.process_group
+        # pruning is part of rank 0's commit, before the other ranks are released
+        self._in_flight = _save(self.path_for(step), step=step, async_save=self.async_save, process_group=group,
+                                after_commit=self._prune, **objects)
 
     def wait(self) -> None:
         """Wait for an async save in flight to be committed (re-raising its error), then prune."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
             in_flight.wait()
-            self._prune()
 
     def _prune(self) -> None:
-        if self.keep_last is not None and _rank(self.process_group) == 0:
+        if self.keep_last is not None:
             _storage.prune(self.directory, self.keep_last)
 
     def load(self, which: str | int | Path = "latest", **objects: Any) -> LoadResult | None:
