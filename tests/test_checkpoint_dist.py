@@ -134,6 +134,32 @@ def async_save_snapshot(tmp: Path) -> None:
     assert all(torch.equal(opt2.state_dict()["state"][k]["exp_avg"].full_tensor(), v) for k, v in exp_avg.items())
 
 
+def rng_saved(tmp: Path) -> None:
+    """Each rank's torch and Python generators are saved; the next draws are recorded per rank."""
+    import random
+
+    rank = dist.get_rank()
+    torch.manual_seed(10 + rank)
+    random.seed(10 + rank)
+    model = make_model(width=WIDTH)
+    save(tmp / "ck_rng", model=model)
+    torch.save({"torch": torch.rand(4), "python": torch.tensor(random.random(), dtype=torch.float64)},
+               tmp / f"rng_{rank}.pt")
+
+
+def rng_restored(tmp: Path) -> None:
+    """Rank r of any world size gets saved rank r % 2's generators back."""
+    import random
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    random.seed(0)
+    load(tmp / "ck_rng", model=make_model(width=WIDTH))
+    want = torch.load(tmp / f"rng_{rank % 2}.pt", weights_only=True)
+    assert torch.equal(torch.rand(4), want["torch"])
+    assert random.random() == want["python"].item()
+
+
 PHASES = {
     # world 2: the references, resume in the same setting (bitwise), and a single-process checkpoint on 2 ranks
     2: {
@@ -147,6 +173,8 @@ PHASES = {
         "plain -> fsdp2 (2 ranks)": lambda tmp: resume("plain", "fsdp2", "in_backward", tmp, exact=False),
         "plain -> ddp standard optimizer (2 ranks)": lambda tmp: resume("plain", "ddp", "standard", tmp, exact=False),
         "async save under fsdp2": async_save_snapshot,
+        "rng states saved per rank": rng_saved,
+        "rng states restored per rank (2 ranks)": rng_restored,
     },
     3: {
         "fsdp2 -> fsdp2 (3 ranks)": lambda tmp: resume("fsdp2", "fsdp2", "in_backward", tmp, exact=False),
@@ -155,6 +183,7 @@ PHASES = {
     4: {
         "fsdp2 -> fsdp2 (4 ranks)": lambda tmp: resume("fsdp2", "fsdp2", "in_backward", tmp, exact=False),
         "fsdp2 -> ddp (4 ranks)": lambda tmp: resume("fsdp2", "ddp", "in_backward", tmp, exact=False),
+        "rng states restored per rank (4 ranks)": rng_restored,
     },
 }
 
