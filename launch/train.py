@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import statistics
 import sys
 
 from corpus import Corpus
@@ -51,30 +52,42 @@ log = logging.getLogger("train")
 
 
 def train(cfg: TrainConfig, rt, parallel: str, corpus: Corpus) -> None:
-    from ckpt import Checkpoints
     from run_log import RunLog
     from train_loop import Job
 
+    from dist_optim.checkpoint import CheckpointManager
+
     job = Job(cfg, rt, corpus, parallel, cfg.optimizer_mode)
-    checkpoints = Checkpoints(pathlib.Path(cfg.run_dir) / "checkpoints", cfg.keep_checkpoints)
+    checkpoints = CheckpointManager(pathlib.Path(cfg.run_dir) / "checkpoints", keep_last=cfg.keep_checkpoints)
     first = 0
     if cfg.resume is not None:
-        found = checkpoints.load(cfg.resume, job)
+        which = int(cfg.resume) if cfg.resume.isdigit() else cfg.resume
+        found = checkpoints.load(which, model=job.model, optimizer=job.opt, schedulers=[job.sched])
         if found is None:
             log.info("no checkpoint in %s: starting fresh", checkpoints.directory)
         else:
-            step, extra, path = found
-            first = step + 1
-            log.info("resumed from %s (step %d, saved by %d process(es))", path, step, extra.get("world", 0))
+            first = found.step + 1
+            if cfg.max_grad_norm is not None and cfg.clip_mode == "previous_norm":
+                log.warning("clip_mode previous_norm: the previous step's norm is not in the checkpoint, so step %d "
+                            "is not clipped (an uninterrupted run would clip it)", first)
+            log.info("resumed from %s (step %d, saved by %d process(es))", found.path, found.step, found.world_size)
+    last = cfg.steps - 1 if cfg.stop_after is None else min(cfg.steps - 1, cfg.stop_after)
     if rt.is_main:
-        log.info("%s, %d process(es), %s, %s mode, %.2fM parameters, %d steps", cfg.run_dir, rt.world, parallel,
-                 cfg.optimizer_mode, job.n_params / 1e6, cfg.steps)
+        log.info("%s, %d process(es), %s, %s mode, %.2fM parameters, steps %d to %d of %d", cfg.run_dir,
+                 rt.world, parallel, cfg.optimizer_mode, job.n_params / 1e6, first, last, cfg.steps)
     run_log = RunLog(cfg.run_dir, rt.is_main, cfg.log_every, resume_step=first - 1 if cfg.resume else None)
-    for step in range(first, cfg.steps):
-        run_log.record(job.step(step))
-        if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step == cfg.steps - 1):
-            checkpoints.save(step, job, extra={"world": rt.world, "parallel": parallel})
+    done = []
+    for step in range(first, last + 1):
+        done.append(job.step(step))
+        run_log.record(done[-1])
+        if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step == last):
+            checkpoints.save(step, model=job.model, optimizer=job.opt, schedulers=[job.sched],
+                             extra={"parallel": parallel, "optimizer_mode": cfg.optimizer_mode})
     run_log.close()
+    if done and rt.is_main:
+        speed = statistics.median(r.tokens / r.seconds for r in done)
+        log.info("done: steps %d to %d, loss %.4f -> %.4f, median %.0f tokens/s; metrics in %s", first, last,
+                 done[0].loss, done[-1].loss, speed, run_log.path)
 
 
 def main(argv: list[str] | None = None) -> int:

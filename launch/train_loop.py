@@ -7,6 +7,7 @@ their losses are bitwise equal where the wrapper reduces in the same order (chec
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -23,17 +24,12 @@ from train_config import TrainConfig
 __all__ = ["Job", "StepResult"]
 
 
-class WarmupCosine:
-    """lr factor: linear warm-up to 1, then cosine decay to ``min_ratio`` (a class, so LambdaLR can save it)."""
-
-    def __init__(self, warmup: int, total: int, min_ratio: float) -> None:
-        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return (step + 1) / (self.warmup + 1)
-        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
-        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """lr factor: linear warm-up to 1, then cosine decay to ``min_ratio`` at ``total`` steps."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 @dataclass
@@ -82,7 +78,9 @@ class Job:
             fused = rt.device.type in ("cpu", "cuda")
             self.opt = torch.optim.AdamW(self.model.parameters(), fused=fused, **adamw)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, WarmupCosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+            # a partial has no state for LambdaLR to save: the schedule comes from the config, also on resume
+            self.opt, functools.partial(warmup_cosine, warmup=cfg.warmup_steps, total=cfg.steps,
+                                        min_ratio=cfg.min_lr_ratio)
         )
         self._previous_norm: torch.Tensor | None = None
 

@@ -1,0 +1,193 @@
+"""``--compare``: the same job trained with the standard loop and in backward, side by side, and a report.
+
+Both jobs start from the same seed and see the same batches; their steps are interleaved (the order alternates
+every step) so that the machine's drift touches both alike. Reported: the two loss curves and their largest
+difference (0 where the arithmetic is the same), the median step time of each and their paired ratio, and each
+rank's memory peak over one step: on CPU from torch.profiler's ``[memory]`` events (running sum of the allocator's
+signed deltas, as in benchmarks/bench_core.py), on CUDA ``torch.cuda.max_memory_allocated``. The profiler sees the
+profiled thread only: under FSDP2 gloo's own threads allocate and free some blocks too, which shows as a non-zero
+"net" (reported), so read FSDP2's CPU peaks to about that much.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import pathlib
+import statistics
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from png_plot import plot_panels
+from runtime import Runtime
+from train_config import TrainConfig
+from train_loop import Job
+
+__all__ = ["compare"]
+
+log = logging.getLogger("train")
+MODES = ("standard", "in_backward")
+MiB = 2**20
+
+
+def profiled_step(job: Job, step: int) -> tuple[Any, dict[str, Any]]:
+    """Run ``job.step(step)`` under the memory profiler: (its result, peak/net bytes above the start and the
+    timeline of allocated bytes)."""
+    device = job.rt.device
+    gc.collect()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    with profile(activities=activities, profile_memory=True) as prof:
+        result = job.step(step)
+    kind = torch.autograd.DeviceType.CUDA if device.type == "cuda" else torch.autograd.DeviceType.CPU
+    events = sorted(
+        ((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+         if e.name() == "[memory]" and e.device_type() == kind),
+        key=lambda t: t[0],
+    )
+    running = peak = 0
+    timeline = [(0.0, 0)]
+    t0 = events[0][0] if events else 0
+    for t, nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+        timeline.append(((t - t0) / 1e9, running))
+    memory = {"peak_bytes": peak, "net_bytes": running, "events": len(events), "source": "torch.profiler"}
+    if device.type == "cuda":
+        memory.update(peak_bytes=torch.cuda.max_memory_allocated(device) - base, source="torch.cuda")
+    if len(timeline) > 400:  # enough points for a plot
+        stride = len(timeline) // 400 + 1
+        timeline = timeline[::stride] + [timeline[-1]]
+    memory["timeline"] = timeline
+    return result, memory
+
+
+def _grad_bytes(job: Job) -> int:
+    """Bytes of this rank's gradients for one step (the local shards under FSDP2)."""
+    total = 0
+    for p in job.model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def compare(cfg: TrainConfig, rt: Runtime, parallel: str, corpus) -> dict[str, Any]:
+    """Train both jobs and write RUN_DIR/compare/{report.json, report.md, compare.png}. Collective."""
+    jobs = {mode: Job(cfg, rt, corpus, parallel, mode) for mode in MODES}
+    profile_at = cfg.steps - 1 if cfg.profile_step < 0 else min(cfg.profile_step, cfg.steps - 1)
+    results: dict[str, list] = {mode: [] for mode in MODES}
+    memory: dict[str, dict] = {}
+    if rt.is_main:
+        log.info("compare: %d process(es), %s, %.2fM parameters, %d steps, memory profiled at step %d", rt.world,
+                 parallel, jobs["standard"].n_params / 1e6, cfg.steps, profile_at)
+    for step in range(cfg.steps):
+        for mode in MODES if step % 2 == 0 else reversed(MODES):
+            if step == profile_at:
+                res, memory[mode] = profiled_step(jobs[mode], step)
+            else:
+                res = jobs[mode].step(step)
+            results[mode].append(res)
+        if rt.is_main and step % cfg.log_every == 0:
+            a, b = (results[m][-1] for m in MODES)
+            log.info("step %5d  loss standard %.6f  in-backward %.6f  step time %.1f / %.1f ms", step, a.loss,
+                     b.loss, a.seconds * 1e3, b.seconds * 1e3)
+    # every rank's peaks, gathered for rank 0's report
+    per_rank = rt.all_gather({m: {k: v for k, v in memory[m].items() if k != "timeline"} for m in MODES})
+    grad_bytes = rt.all_gather(_grad_bytes(jobs["in_backward"]))
+    report = _report(cfg, rt, parallel, results, per_rank, grad_bytes, profile_at)
+    if rt.is_main:
+        out = pathlib.Path(cfg.run_dir) / "compare"
+        out.mkdir(parents=True, exist_ok=True)
+        report["plot_backend"] = plot_panels(str(out / "compare.png"), _panels(results, memory, report))
+        (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+        (out / "report.md").write_text(_markdown(report))
+        log.info("%s", _summary(report))
+        log.info("report: %s", out / "report.md")
+    return report
+
+
+def _report(cfg, rt, parallel, results, per_rank, grad_bytes, profile_at) -> dict[str, Any]:
+    losses = {m: [r.loss for r in results[m]] for m in MODES}
+    diffs = [abs(a - b) for a, b in zip(losses["standard"], losses["in_backward"])]
+    # step 0 warms up and the profiled step is slowed by the profiler: neither is timed
+    timed = [k for k in range(cfg.steps) if k != 0 and k != profile_at] or list(range(cfg.steps))
+    times = {m: [results[m][k].seconds for k in timed] for m in MODES}
+    ratios = [b / a for a, b in zip(times["standard"], times["in_backward"])]
+    return {
+        "world_size": rt.world, "parallel": parallel, "device": str(rt.device), "steps": cfg.steps,
+        "config": cfg.to_dict(),
+        "losses": losses,
+        "grad_norms": {m: [r.grad_norm for r in results[m]] for m in MODES},
+        "max_abs_loss_diff": max(diffs),
+        "losses_bitwise_equal": losses["standard"] == losses["in_backward"],
+        "step_time_median_s": {m: statistics.median(times[m]) for m in MODES},
+        "step_time_ratio_in_backward_vs_standard": statistics.median(ratios),
+        "memory_profiled_step": profile_at,
+        "peak_memory_bytes_per_rank": {m: [r[m]["peak_bytes"] for r in per_rank] for m in MODES},
+        "memory_net_bytes_per_rank": {m: [r[m]["net_bytes"] for r in per_rank] for m in MODES},
+        "memory_source": per_rank[0]["standard"]["source"],
+        "gradient_bytes_per_rank": grad_bytes,
+    }
+
+
+def _summary(r: dict[str, Any]) -> str:
+    peaks = r["peak_memory_bytes_per_rank"]
+    per_rank = ", ".join(f"rank {k}: {a / MiB:.2f} -> {b / MiB:.2f} MiB"
+                         for k, (a, b) in enumerate(zip(peaks["standard"], peaks["in_backward"])))
+    return (f"losses max |diff| {r['max_abs_loss_diff']:.3g} (bitwise equal: {r['losses_bitwise_equal']}); step time "
+            f"in-backward / standard {r['step_time_ratio_in_backward_vs_standard']:.3f}; peak memory standard -> "
+            f"in-backward: {per_rank}")
+
+
+def _markdown(r: dict[str, Any]) -> str:
+    peaks, net = r["peak_memory_bytes_per_rank"], r["memory_net_bytes_per_rank"]
+    t = r["step_time_median_s"]
+    rows = "\n".join(
+        f"| {k} | {a / MiB:.3f} | {b / MiB:.3f} | {(a - b) / MiB:+.3f} | {r['gradient_bytes_per_rank'][k] / MiB:.3f} "
+        f"| {net['standard'][k] / MiB:.3f} / {net['in_backward'][k] / MiB:.3f} |"
+        for k, (a, b) in enumerate(zip(peaks["standard"], peaks["in_backward"]))
+    )
+    return f"""# Standard loop vs in-backward
+
+{r['world_size']} process(es), `{r['parallel']}` on {r['device']}, {r['steps']} steps, same seed and batches.
+
+## Loss
+
+Max |loss difference| over {r['steps']} steps: **{r['max_abs_loss_diff']:.3g}** (bitwise equal:
+{r['losses_bitwise_equal']}). Final loss: standard {r['losses']['standard'][-1]:.6f}, in-backward
+{r['losses']['in_backward'][-1]:.6f}.
+
+## Step time
+
+Median step: standard {t['standard'] * 1e3:.2f} ms, in-backward {t['in_backward'] * 1e3:.2f} ms; paired median
+ratio in-backward / standard: **{r['step_time_ratio_in_backward_vs_standard']:.3f}** (steps interleaved; step 0
+and the profiled step not timed).
+
+## Peak memory of step {r['memory_profiled_step']}, per rank ({r['memory_source']})
+
+| rank | standard MiB | in-backward MiB | saved MiB | gradient MiB (local) | net after step, std / in-bwd MiB |
+|---|---|---|---|---|---|
+{rows}
+
+Plot: `compare.png` (loss curves; allocated bytes during the profiled step, rank 0).
+"""
+
+
+def _panels(results, memory, report) -> list[dict[str, Any]]:
+    steps = [r.step for r in results["standard"]]
+    labels = {"standard": "standard loop", "in_backward": "in backward"}
+    return [
+        {"title": f"Loss per step (max abs diff {report['max_abs_loss_diff']:.3g})", "xlabel": "step",
+         "ylabel": "loss", "series": [(labels[m], steps, [r.loss for r in results[m]]) for m in MODES]},
+        {"title": f"Allocated memory during step {report['memory_profiled_step']}, rank 0", "xlabel": "ms",
+         "ylabel": "MiB", "series": [
+             (f"{labels[m]} (peak {memory[m]['peak_bytes'] / MiB:.2f} MiB)",
+              [t * 1e3 for t, _ in memory[m]["timeline"]], [b / MiB for _, b in memory[m]["timeline"]])
+             for m in MODES]},
+    ]
