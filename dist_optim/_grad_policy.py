@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from dist_optim._inputs import is_dtensor
+
 __all__: list[str] = []
 
 CLIP_MODES = ("exact", "per_parameter", "previous_norm")
@@ -176,6 +178,35 @@ class GradPolicy:
         norms = [self._norms[i] for i in sorted(self._norms)]
         first = norms[0].device
         return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), self.norm_type)
+
+    # -- what a checkpoint must carry ----------------------------------------------------------------------------
+    def extra_state(self) -> dict[str, Any]:
+        """Plain data that the next step depends on beyond the optimizer's state: the previous step's norm, in
+        ``previous_norm`` mode (a collective when the norm is a DTensor: call it on every rank)."""
+        if self.clip_mode != "previous_norm" or self.max_grad_norm is None or self.previous_norm is None:
+            return {}
+        norm = self.previous_norm
+        full = norm.full_tensor() if is_dtensor(norm) else norm
+        return {"previous_grad_norm": full.item(), "dtype": str(full.dtype).removeprefix("torch.")}
+
+    def load_extra_state(self, state: dict[str, Any], like: torch.Tensor) -> None:
+        """Restore :meth:`extra_state`; the norm is rebuilt on ``like``'s device (replicated on its mesh for a
+        DTensor), which gives the value, and so the clipping coefficient, of the run that saved it."""
+        value = state.get("previous_grad_norm")
+        if value is None:
+            self.previous_norm = None
+            return
+        dtype = getattr(torch, str(state.get("dtype", "float32")), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"previous_grad_norm dtype {state.get('dtype')!r} is not a torch dtype")
+        if is_dtensor(like):
+            from torch.distributed.tensor import DTensor, Replicate
+
+            local = torch.tensor(value, dtype=dtype, device=like.to_local().device)
+            mesh = like.device_mesh
+            self.previous_norm = DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        else:
+            self.previous_norm = torch.tensor(value, dtype=dtype, device=like.device)
 
     def end(self, optimizer: torch.optim.Optimizer) -> None:
         if self.track_norm:

@@ -412,13 +412,33 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                 hook(stepped)
 
     # -- state --------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """``optimizer_class``'s state dict format. With ``clip_mode="previous_norm"`` after a step, one more key,
+        ``"in_backward"``, holds the previous step's gradient norm, which the next step clips with (torch's
+        ``load_state_dict`` ignores it)."""
+        state_dict = super().state_dict()
+        extra = self._in_backward_state()
+        if extra:
+            state_dict["in_backward"] = extra
+        return state_dict
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict written by this class or by ``optimizer_class`` itself (same format)."""
-        super().load_state_dict(state_dict)
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "in_backward"})
         self._overrides = [
             implementation(cls, g, self._kwargs_for(cls)) for cls, g in zip(self._group_classes, self.param_groups)
         ]
         self._engine.rebind()
+        self._load_in_backward_state(state_dict.get("in_backward") or {})
+
+    def _in_backward_state(self) -> dict[str, Any]:
+        """Plain data the next step needs beyond ``state`` (see :meth:`state_dict`); checkpoints store it too."""
+        return self._engine.policy.extra_state()
+
+    def _load_in_backward_state(self, extra: dict[str, Any]) -> None:
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        if first is not None:
+            self._engine.policy.load_extra_state(extra, like=first)
 
     def remove(self) -> None:
         """Detach every hook. The model then trains with a standard optimizer again, and this object behaves as

@@ -328,3 +328,33 @@ def test_manager_rejects_unknown_objects_and_bad_settings(tmp_path):
     with pytest.raises(ValueError, match="non-negative int"):
         manager.save(-1, model=make_model())
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("via", ["checkpoint", "state_dict"])
+def test_previous_norm_clipping_resumes_exactly(tmp_path, via):
+    """The first step after a resume clips with the norm of the step before the checkpoint, as without a stop."""
+    def make(seed=0):
+        model = make_model(seed)
+        return model, dist_optim.InBackwardOptimizer(model, torch.optim.AdamW, max_grad_norm=0.05,
+                                                     clip_mode="previous_norm", **ADAMW)
+
+    ref_model, ref_opt = make()
+    for batch in DATA:
+        loss_of(ref_model, batch).backward()
+    model, opt = make()
+    for batch in DATA[:HALF]:
+        loss_of(model, batch).backward()
+    assert opt.state_dict()["in_backward"]["previous_grad_norm"] == opt.grad_norm.item() > 0.05
+    model2, opt2 = make(seed=3)
+    if via == "checkpoint":
+        save(tmp_path / "ck", model=model, optimizer=opt)
+        load(tmp_path / "ck", model=model2, optimizer=opt2)
+    else:
+        model2.load_state_dict(model.state_dict())
+        opt2.load_state_dict(opt.state_dict())
+    for batch in DATA[HALF:]:
+        loss_of(model2, batch).backward()
+    assert_same_params(ref_model, model2)
+    # a standard optimizer's state dict has no previous norm: the next step is not clipped, as documented
+    opt2.load_state_dict(torch.optim.AdamW(model2.parameters(), **ADAMW).state_dict())
+    assert opt2._engine.policy.previous_norm is None

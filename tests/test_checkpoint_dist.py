@@ -134,6 +134,26 @@ def async_save_snapshot(tmp: Path) -> None:
     assert all(torch.equal(opt2.state_dict()["state"][k]["exp_avg"].full_tensor(), v) for k, v in exp_avg.items())
 
 
+def previous_norm_resume(tmp: Path) -> None:
+    """FSDP2, clip_mode="previous_norm": the norm (a DTensor) carried by the checkpoint clips the next step."""
+    def make(seed=0):
+        model, _, _ = setup("fsdp2", "standard", seed)  # the model only; the optimizer is built below
+        opt = dist_optim.InBackwardOptimizer(model, torch.optim.AdamW, max_grad_norm=0.05, clip_mode="previous_norm",
+                                             **ADAMW)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+    ref = make()
+    train(*ref, "in_backward", range(2 * HALF))
+    first = make()
+    train(*first, "in_backward", range(HALF))
+    save(tmp / "ck_prev", model=first[0], optimizer=first[1])
+    second = make(seed=9)
+    load(tmp / "ck_prev", model=second[0], optimizer=second[1])
+    train(*second, "in_backward", range(HALF, 2 * HALF))
+    got, want = full_params(second[0]), full_params(ref[0])
+    assert all(torch.equal(got[k], want[k]) for k in want), "resumed run differs from the uninterrupted one"
+
+
 def rng_saved(tmp: Path) -> None:
     """Each rank's torch and Python generators are saved; the next draws are recorded per rank."""
     import random
@@ -173,6 +193,7 @@ PHASES = {
         "plain -> fsdp2 (2 ranks)": lambda tmp: resume("plain", "fsdp2", "in_backward", tmp, exact=False),
         "plain -> ddp standard optimizer (2 ranks)": lambda tmp: resume("plain", "ddp", "standard", tmp, exact=False),
         "async save under fsdp2": async_save_snapshot,
+        "fsdp2 previous_norm clipping resume (bitwise)": previous_norm_resume,
         "rng states saved per rank": rng_saved,
         "rng states restored per rank (2 ranks)": rng_restored,
     },

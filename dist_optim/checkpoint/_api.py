@@ -144,6 +144,8 @@ def _collect(model, optimizer, schedulers, grad_scaler, averaged_model, extra, s
             groups.append({**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": group_names})
         plain["optimizer"] = {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
                               "param_groups": groups, "values": values}
+        if hasattr(optimizer, "_in_backward_state"):  # e.g. the previous norm of clip_mode="previous_norm"
+            plain["optimizer"]["in_backward"] = optimizer._in_backward_state()
     plain["schedulers"] = [s.state_dict() for s in _schedulers(schedulers)]
     plain["grad_scaler"] = grad_scaler.state_dict() if grad_scaler is not None else None
     if averaged_model is not None:
@@ -444,6 +446,8 @@ def load(
             groups.append(new)
             index += len(row)
         optimizer.load_state_dict({"state": optim_state, "param_groups": groups})
+        if hasattr(optimizer, "_load_in_backward_state"):
+            optimizer._load_in_backward_state(saved_optim.get("in_backward") or {})
     for sched, state in zip(schedulers, saved_schedulers):
         sched.load_state_dict(state)
     if grad_scaler is not None:
