@@ -8,6 +8,8 @@ Hooks hold the engine weakly, so a dropped optimizer never keeps a model alive t
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import warnings
 import weakref
@@ -128,7 +130,7 @@ class Engine:
             self._begin(tid)
 
     def _begin(self, tid: int) -> None:
-        if tid == self.previous_task:
+        if tid == self.previous_task or _started_inside_a_backward():
             _refuse_nested_backward()
         if self.open or any(b.arrived for b in self.buckets):
             # The previous backward raised before its end-of-backward callback: forget its partial buckets.
@@ -268,6 +270,27 @@ class Engine:
                 for ig, (gi, _), ov in zip(inner.param_groups, keys, overrides)
             ]
             b.steppers.append((unwrapped_step(cls), inner, pairs))
+
+
+def _started_inside_a_backward() -> bool:
+    """Whether the running backward was launched from an autograd Function's backward (a reentrant checkpoint):
+    on this thread's stack, a backward entry point called (indirectly) by ``BackwardCFunction.apply``. Checked
+    once per backward. A backward whose parameters all sit inside such segments would otherwise look like one
+    training step per segment."""
+    frame = sys._getframe(1)
+    in_engine = False
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_engine_run_backward" and code.co_filename.endswith(_GRAPH_PY):
+            in_engine = True
+        elif in_engine and code.co_name == "apply" and code.co_filename.endswith(_FUNCTION_PY):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_GRAPH_PY = os.path.join("autograd", "graph.py")
+_FUNCTION_PY = os.path.join("autograd", "function.py")
 
 
 def _refuse_nested_backward() -> None:

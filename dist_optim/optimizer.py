@@ -241,7 +241,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         # The class fills its own defaults and checks its options (and the tensors) now, not at the first backward.
         probe = cls([group], **self._kwargs_for(cls))
         filled = probe.param_groups[0]
-        check_unowned(filled["params"], self, self.param_name)
+        names = filled.get("param_names") or [f"param_groups[{len(self.param_groups)}][{k}]"
+                                               for k in range(len(filled["params"]))]
+        by_id = {id(p): n for p, n in zip(filled["params"], names)}
+        check_unowned(filled["params"], self, lambda p: by_id.get(id(p), "<unknown>"))
         self.state.update(probe.state)  # state some classes create at construction (Adagrad's sum)
         self.param_groups.append(filled)
         self._group_classes.append(cls)

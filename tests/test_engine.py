@@ -181,6 +181,25 @@ def test_reentrant_checkpointing_is_refused_loudly():
     assert opt is not None
 
 
+@pytest.mark.parametrize("per_parameter", [False, True])
+def test_reentrant_segments_holding_every_parameter_are_refused(per_parameter):
+    """Every parameter inside reentrant segments: each segment's inner backward would look like a whole training
+    step (steps, clipping and accumulation per segment). Refused before anything is stepped."""
+    model = make_model()
+    before = [p.clone() for p in model.parameters()]
+    opt = InBackwardOptimizer(model, torch.optim.SGD, lr=0.1, per_parameter=per_parameter, max_grad_norm=1.0,
+                              clip_mode="per_parameter")
+    x, y = batches(1)[0]
+    h = x.requires_grad_()
+    for layer in model.layers:
+        h = torch.utils.checkpoint.checkpoint(lambda t, m=layer: torch.tanh(m(t)), h, use_reentrant=True)
+    out = torch.utils.checkpoint.checkpoint(lambda t: model.head(model.norm(t)), h, use_reentrant=True)
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        nn.functional.mse_loss(out, y).backward()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert opt is not None
+
+
 def test_dropping_model_and_optimizer_frees_the_parameters():
     model = make_model()
     opt = InBackwardOptimizer(model.parameters(), torch.optim.AdamW, fused=True)
@@ -236,8 +255,11 @@ def test_parameters_carry_no_attributes_and_save_cleanly():
 def test_two_optimizers_cannot_consume_the_same_gradient():
     model = make_model()
     opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
-    with pytest.raises(ValueError, match="already stepped in backward by InBackwardOptimizer"):
+    with pytest.raises(ValueError, match=r"parameter param_groups\[0\]\[0\] is already stepped in backward by "
+                                         "InBackwardOptimizer"):
         InBackwardOptimizer(model.head.parameters(), torch.optim.AdamW)
+    with pytest.raises(ValueError, match="parameter head.bias is already stepped"):
+        InBackwardOptimizer([("head.bias", model.head.bias)], torch.optim.AdamW)
     opt.remove()
     other = InBackwardOptimizer(model.head.parameters(), torch.optim.AdamW)  # fine once the first let go
     assert other.param_groups[0]["params"][0] is model.head.weight
