@@ -1,0 +1,69 @@
+"""launch/train.py with faults injected through environment variables: torchrun runs this file in place of
+train.py, so the tests can break a job at a chosen point without launch/ knowing about them.
+
+- ``MULTINODE_STEP_DELAY=SECONDS``: sleep before every step of a run that starts with no committed checkpoint,
+  which leaves a test time to kill processes between two checkpoints; a resumed run goes at full speed. (Not
+  ``TORCHELASTIC_RESTART_COUNT``: a node restarted because another node failed keeps its count at 0.)
+- ``MULTINODE_KILL_RANK=R`` and ``MULTINODE_KILL_SAVE_STEP=S``: rank R writes half of its shard of checkpoint S,
+  then SIGKILLs itself, as a node lost in the middle of a save would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import runpy
+import signal
+import sys
+import time
+
+LAUNCH = pathlib.Path(__file__).resolve().parents[1] / "launch"
+
+
+def _slow_steps(delay: float) -> None:
+    import train_loop
+
+    step = train_loop.Job.step
+
+    def slow_step(self, i):
+        time.sleep(delay)
+        return step(self, i)
+
+    train_loop.Job.step = slow_step
+
+
+def _die_while_saving(rank: int, save_step: int) -> None:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+    folder = f"step_{save_step:08d}.partial"
+
+    def write_half_then_die(self, plan, planner):
+        if pathlib.Path(self.path).name == folder:
+            (pathlib.Path(self.path) / f"__{rank}_0.distcp").write_bytes(b"half a shard")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write_data(self, plan, planner)
+
+    FileSystemWriter.write_data = write_half_then_die
+
+
+def _fresh_start(argv: list[str]) -> bool:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--run-dir", default="runs/gpt")
+    run_dir = pathlib.Path(parser.parse_known_args(argv)[0].run_dir)
+    return not any((run_dir / "checkpoints").glob("step_*/COMMITTED"))
+
+
+def main() -> None:
+    sys.path.insert(0, str(LAUNCH))  # what `python launch/train.py` puts first on the path
+    if os.environ.get("MULTINODE_STEP_DELAY") and _fresh_start(sys.argv[1:]):
+        _slow_steps(float(os.environ["MULTINODE_STEP_DELAY"]))
+    if os.environ.get("MULTINODE_KILL_RANK") == os.environ.get("RANK", "0"):
+        _die_while_saving(int(os.environ["MULTINODE_KILL_RANK"]), int(os.environ["MULTINODE_KILL_SAVE_STEP"]))
+    sys.argv = [str(LAUNCH / "train.py"), *sys.argv[1:]]
+    runpy.run_path(sys.argv[0], run_name="__main__")  # train.py ends with sys.exit(main())
+
+
+if __name__ == "__main__":
+    main()
