@@ -8,6 +8,8 @@ NPROC=${NPROC:-2}
 MASTER=${MASTER:?set MASTER=host:port of the first machine}
 JOB_ID=${JOB_ID:-gpt}
 STEPS=${STEPS:-200}
+# restarts (--max-restarts) need a fresh rendezvous store per round (pytorch/pytorch#135712)
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 cmd=(torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC" --rdzv-backend c10d --rdzv-endpoint "$MASTER"
      --rdzv-id "$JOB_ID" launch/train.py --steps "$STEPS" "$@")
 echo "+ ${cmd[*]}"

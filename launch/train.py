@@ -18,6 +18,10 @@ Two machines (run the same command on both, HOST:PORT being the first machine's 
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id gpt \\
         launch/train.py --steps 50
 
+To let torchrun restart the job after a failure (``--max-restarts N`` with ``--resume latest``), also set
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` on every machine: with torch's default, restarted workers reuse the
+previous round's store and fail to connect (pytorch/pytorch#135712; multinode_tests/ runs it this way).
+
 Options that change the training loop:
 
 - ``--optimizer-mode standard``: ``loss.backward(); opt.step(); opt.zero_grad()`` with fused ``torch.optim.AdamW``
