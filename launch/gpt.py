@@ -78,3 +78,9 @@ class GPT(nn.Module):
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def from_config(cfg: dict, vocab_size: int) -> GPT:
+    """The model a run's configuration describes (``TrainConfig.to_dict()``, or the run's ``config.json``): the one
+    builder the trainer and the tests that read its checkpoints share."""
+    return GPT(vocab_size, cfg["block_size"], cfg["n_layer"], cfg["n_head"], cfg["n_embd"], cfg["tie_weights"])

@@ -17,7 +17,7 @@ from torch import nn
 
 import dist_optim
 from corpus import VOCAB_SIZE, Corpus
-from gpt import GPT, loss_fn
+from gpt import from_config, loss_fn
 from runtime import LaunchError, Runtime, sync_context, wrap
 from train_config import TrainConfig
 
@@ -58,7 +58,7 @@ class Job:
             )
         self.cfg, self.rt, self.corpus, self.parallel, self.mode = cfg, rt, corpus, parallel, mode
         torch.manual_seed(cfg.seed)
-        model = GPT(VOCAB_SIZE, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.tie_weights)
+        model = from_config(cfg.to_dict(), VOCAB_SIZE)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.model = wrap(model, parallel, rt)
         adamw = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "weight_decay": cfg.weight_decay}

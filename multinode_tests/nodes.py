@@ -189,16 +189,15 @@ def losses(run_dir: pathlib.Path) -> list[float]:
 
 
 def _plain_model(run_dir: pathlib.Path) -> torch.nn.Module:
-    """The run's GPT, unwrapped, on one process: launch/ has no builder taking a config, so this mirrors
-    ``train_loop.Job`` (GPT from the run's config.json)."""
+    """The run's GPT, unwrapped, on one process, built by launch's own builder from the run's config.json."""
     sys.path.insert(0, str(ROOT / "launch"))
     try:
         from corpus import VOCAB_SIZE
-        from gpt import GPT
+        from gpt import from_config
     finally:
         sys.path.remove(str(ROOT / "launch"))
     cfg = json.loads((run_dir / "config.json").read_text())
-    return GPT(VOCAB_SIZE, cfg["block_size"], cfg["n_layer"], cfg["n_head"], cfg["n_embd"], cfg["tie_weights"])
+    return from_config(cfg, VOCAB_SIZE)
 
 
 def checkpoint_state(path: pathlib.Path, run_dir: pathlib.Path) -> dict[str, torch.Tensor]:
