@@ -154,11 +154,10 @@ def _collect(model, optimizer, schedulers, grad_scaler, averaged_model, extra, s
     rank = _rank(group)
     for kind, t in _rng_tensors().items():
         tensors[f"rng/{rank}/{kind}"] = t
-    rng = [None] * _world(group)
+    rng: list[Any] = [_plain_rng()]
     if _distributed(group):
+        rng = [None] * _world(group)
         dist.all_gather_object(rng, _plain_rng(), group=group)
-    else:
-        rng = [_plain_rng()]
     plain["rng"] = rng
     return tensors, plain
 
@@ -171,7 +170,6 @@ class AsyncSave:
         self._error: BaseException | None = None
         self._done = threading.Event()
         future = getattr(future, "upload_completion", future)
-        self._future = future
 
         def finish(f: Any) -> None:
             try:
@@ -190,7 +188,8 @@ class AsyncSave:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the save is written and committed; re-raises its error."""
+        """Block until this rank's part is written (on rank 0: until the checkpoint is committed, which needs every
+        rank's part); re-raises the save's error."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"checkpoint save still running after {timeout} s")
         if self._error is not None:
