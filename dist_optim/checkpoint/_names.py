@@ -160,13 +160,12 @@ class Remap:
     def module_hook(self, module: Any, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """For ``module.register_load_state_dict_pre_hook``: rewrites ``state_dict`` to the module's names, in
         place (sources used by a target are replaced by it; the rest is left for ``strict`` to report)."""
-        own = [prefix + k for k in module.state_dict()]
+        own = {k: canonical_name(k) for k in module.state_dict()}  # the module's keys -> their checkpoint names
         found = {canonical_name(k[len(prefix):]): k for k in state_dict if k.startswith(prefix)}
-        mapping, _, _ = self.plan((canonical_name(k[len(prefix):]) for k in own), found)
-        loaded = {prefix_key: state_dict[found[mapping[canonical_name(prefix_key[len(prefix):])]]]
-                  for prefix_key in own if canonical_name(prefix_key[len(prefix):]) in mapping}
-        for s in {found[v] for v in mapping.values()}:
-            del state_dict[s]
+        mapping, _, _ = self.plan(own.values(), found)
+        loaded = {prefix + k: state_dict[found[mapping[name]]] for k, name in own.items() if name in mapping}
+        for source in {found[s] for s in mapping.values()}:
+            del state_dict[source]
         state_dict.update(loaded)
 
     def optimizer_hook(self, optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
