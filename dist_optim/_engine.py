@@ -22,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 from dist_optim._inputs import is_dtensor
 from dist_optim._kernels import unwrapped_step
 from dist_optim._owners import record_owner
+from dist_optim._shards import LocalShards, can_step_locally
 
 if TYPE_CHECKING:
     from dist_optim._grad_policy import GradPolicy
@@ -259,17 +260,24 @@ class Engine:
         b.steppers = []
         for cls, keys in by_class.items():
             overrides = [{} if sparse else owner._overrides[gi] for gi, sparse in keys]
+            params = [p for key in keys for p in by_group[key]]
+            shards = LocalShards(params) if can_step_locally(cls, params) else None
             inner_groups = [
-                {**_hyper(owner.param_groups[gi]), "params": by_group[(gi, sparse)], **ov}
+                {**_hyper(owner.param_groups[gi]), "params": _stand_ins(by_group[(gi, sparse)], shards), **ov}
                 for (gi, sparse), ov in zip(keys, overrides)
             ]
             inner = cls(inner_groups, **owner._kwargs_for(cls))
-            inner.state = owner.state
+            inner.state = owner.state if shards is None else shards.state
             pairs = [
                 (ig, owner.param_groups[gi], {"params": ig["params"], **ov})
                 for ig, (gi, _), ov in zip(inner.param_groups, keys, overrides)
             ]
-            b.steppers.append((unwrapped_step(cls), inner, pairs))
+            step = unwrapped_step(cls)
+            b.steppers.append((step if shards is None else shards.stepper(step, owner.state), inner, pairs))
+
+
+def _stand_ins(params: list[torch.Tensor], shards: LocalShards | None) -> list[torch.Tensor]:
+    return params if shards is None else [shards.stand_in(p) for p in params]
 
 
 def _started_inside_a_backward() -> bool:

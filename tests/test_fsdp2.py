@@ -55,6 +55,10 @@ OPTIMIZERS = [
 ]
 
 
+class DTensorPathAdamW(torch.optim.AdamW):
+    """Not in dist_optim._shards.ELEMENTWISE (a subclass could reduce over a tensor): stepped as DTensors."""
+
+
 # -- comparison ---------------------------------------------------------------------------------------------------
 def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
@@ -342,6 +346,8 @@ def _two_rank_scenarios() -> dict[str, Callable]:
     for name, cls, kw in OPTIMIZERS:
         s[f"{name}/root-only"] = lambda c, cls=cls, kw=kw: _parity(c, cls, kw, nested=False)
         s[f"{name}/nested"] = lambda c, cls=cls, kw=kw: _parity(c, cls, kw)
+    # a class outside dist_optim's elementwise list is stepped as DTensors, not on the local shards
+    s["AdamW-subclass/stepped-as-DTensors"] = lambda c: _parity(c, DTensorPathAdamW, ADAMW)
     # DTensor has no fused Adagrad kernel: the default implementation is probed on a DTensor and falls back
     s["Adagrad/default-implementation=foreach"] = lambda c: _parity(
         c, torch.optim.Adagrad, {"lr": 0.1}, ref_kwargs={"lr": 0.1, "foreach": True}
