@@ -284,8 +284,8 @@ def _tensor_meta(metadata: Any, key: str) -> Any:
 class _Plan:
     """Source keys -> target tensors for one dcp.load, plus the copies for duplicated sources."""
 
-    def __init__(self, metadata: Any, where: str) -> None:
-        self.metadata, self.where = metadata, where
+    def __init__(self, reader: _storage.SafeReader, metadata: Any, where: str) -> None:
+        self.reader, self.metadata, self.where = reader, metadata, where
         self.load: dict[str, torch.Tensor] = {}
         self.copies: list[tuple[str, torch.Tensor]] = []
         self.bad_shapes: list[str] = []
@@ -309,7 +309,7 @@ class _Plan:
                 + "\n  ".join(self.bad_shapes)
             )
         with _single_process_is_intended():
-            dcp.load(self.load, storage_reader=_storage.SafeReader(self.where),
+            dcp.load(self.load, storage_reader=self.reader,
                      planner=DefaultLoadPlanner(allow_partial_load=True), process_group=process_group)
         with torch.no_grad():
             for key, target in self.copies:
@@ -360,7 +360,7 @@ def load(
     metadata = reader.read_metadata()
     _storage.check_files(folder, metadata)
     remap = remap or Remap()
-    plan = _Plan(metadata, str(folder))
+    plan = _Plan(reader, metadata, str(folder))
     fresh: list[str] = []
     ignored: list[str] = []
 
