@@ -36,6 +36,7 @@ from dist_optim._owners import check_unowned, release
 __all__: list[str] = []
 
 DEFAULT_BUCKET_CAP_MB = 4.0
+_UNCHANGED = object()
 
 
 class InBackwardOptimizer(torch.optim.Optimizer):
@@ -130,7 +131,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
         if not (isinstance(accumulation_steps, int) and accumulation_steps >= 1):
             raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
-        policy = GradPolicy(
+        self._policy_options = dict(
             max_grad_norm=max_grad_norm,
             clip_mode=clip_mode,
             grad_norm_type=grad_norm_type,
@@ -140,6 +141,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             nonfinite=nonfinite,
             track_grad_norm=track_grad_norm,
         )
+        policy = GradPolicy(**self._policy_options)
         ddp = params if isinstance(params, nn.parallel.DistributedDataParallel) else None
         if ddp is not None:
             check_ddp(ddp)
@@ -318,6 +320,68 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         (the value ``clip_grad_norm_`` would have returned); ``None`` unless ``track_grad_norm=True`` or a
         global-norm ``max_grad_norm`` is set."""
         return self._engine.policy.stats.grad_norm
+
+    @property
+    def buckets(self) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """The buckets formed so far, each the tuple of its parameters (read-only). Buckets are learned during the
+        first backward that steps, in the order gradients arrive; under DDP they are DDP's buckets."""
+        engine = self._engine
+        return tuple(tuple(b.params) for b in (*engine.buckets, *engine.comm_buckets.values()))
+
+    @property
+    def accumulation_steps(self) -> int:
+        """The configured ``accumulation_steps``: backwards per in-backward step."""
+        return self._accumulation_steps
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The configured ``max_grad_norm`` (``None``: no norm clipping); see :meth:`configure_clipping`."""
+        return self._policy_options["max_grad_norm"]
+
+    @property
+    def clip_mode(self) -> str:
+        """The configured ``clip_mode``: ``"exact"``, ``"per_parameter"`` or ``"previous_norm"``."""
+        return self._policy_options["clip_mode"]
+
+    @property
+    def max_grad_value(self) -> float | None:
+        """The configured ``max_grad_value`` (``None``: no value clipping)."""
+        return self._policy_options["max_grad_value"]
+
+    @property
+    def grad_norm_type(self) -> float:
+        """The configured ``grad_norm_type``."""
+        return float(self._policy_options["grad_norm_type"])
+
+    def configure_clipping(
+        self,
+        *,
+        max_grad_norm: float | None | object = _UNCHANGED,
+        clip_mode: str | object = _UNCHANGED,
+        max_grad_value: float | None | object = _UNCHANGED,
+        grad_norm_type: float | object = _UNCHANGED,
+    ) -> None:
+        """Change the clipping options between two steps, as if they had been given at construction (a framework
+        adapter sets them from the framework's own setting). Options not given keep their value; the previous
+        step's norm is kept.
+
+        Raises:
+            ValueError: an option is out of range (as at construction).
+            RuntimeError: called during a backward.
+        """
+        if torch._C._current_graph_task_id() != -1:
+            raise RuntimeError("configure_clipping() was called during a backward; call it between two steps")
+        changes = {
+            k: v for k, v in (("max_grad_norm", max_grad_norm), ("clip_mode", clip_mode),
+                              ("max_grad_value", max_grad_value), ("grad_norm_type", grad_norm_type))
+            if v is not _UNCHANGED
+        }
+        options = {**self._policy_options, **changes}
+        policy = GradPolicy(**options)
+        old = self._engine.policy
+        policy.previous_norm, policy.stats = old.previous_norm, old.stats
+        self._policy_options = options
+        self._engine.policy = policy
 
     def _check_still_single_process(self) -> None:
         """Once per backward: plain tensors accepted before a process group existed must not now step locally."""

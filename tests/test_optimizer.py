@@ -313,3 +313,35 @@ def test_swap_in_optimizer_params_and_state_matches_standard():
     assert_same_state(osd, ref_osd)
     assert_same_params(model, ref)  # the live parameters were untouched
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_configured_options_are_readable_and_buckets_are_listed():
+    model = make_model()
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, accumulation_steps=2,
+                              max_grad_norm=1.5, clip_mode="per_parameter", max_grad_value=3.0, per_parameter=True)
+    assert (opt.accumulation_steps, opt.max_grad_norm, opt.clip_mode, opt.max_grad_value, opt.grad_norm_type) == (
+        2, 1.5, "per_parameter", 3.0, 2.0)
+    assert opt.buckets == ()
+    for batch in batches(2):
+        loss_of(model, batch).backward()
+    params = list(model.parameters())
+    assert sorted(map(id, (p for b in opt.buckets for p in b))) == sorted(map(id, params))
+    assert all(len(b) == 1 for b in opt.buckets)
+
+
+def test_configure_clipping_equals_giving_the_options_at_construction():
+    a, b = twins()
+    data = batches(4)
+    ref = InBackwardOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, max_grad_norm=0.05, max_grad_value=0.01)
+    opt = InBackwardOptimizer(b.parameters(), torch.optim.AdamW, lr=1e-2)
+    opt.configure_clipping(max_grad_norm=0.05, max_grad_value=0.01)
+    assert (opt.max_grad_norm, opt.clip_mode, opt.max_grad_value) == (0.05, "exact", 0.01)
+    train_in_backward(a, data)
+    train_in_backward(b, data)
+    assert_same_params(a, b)
+    assert ref.last_step.clip_coef is not None and torch.equal(ref.grad_norm, opt.grad_norm)
+    opt.configure_clipping(max_grad_norm=None)
+    assert (opt.max_grad_norm, opt.max_grad_value) == (None, 0.01)
+    with pytest.raises(ValueError, match="clip_mode must be one of"):
+        opt.configure_clipping(clip_mode="global")
+    assert opt.clip_mode == "exact"  # a refused change leaves the options as they were
