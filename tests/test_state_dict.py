@@ -34,7 +34,7 @@ def roundtrip(obj):
 
 @pytest.mark.parametrize(
     "cls,kwargs",
-    [(optim.AdamW, ADAMW), (optim.SGD, dict(lr=0.1, momentum=0.9)), (optim.Adagrad, dict(lr=0.1))],
+    [(optim.AdamW, ADAMW), (optim.SGD, dict(lr=0.1, momentum=0.9)), (optim.Adagrad, dict(lr=0.1, fused=True))],
     ids=["AdamW", "SGD", "Adagrad"],
 )
 def test_state_dict_has_the_wrapped_optimizers_format_with_every_parameter(cls, kwargs):
