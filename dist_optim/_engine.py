@@ -20,9 +20,8 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from dist_optim._inputs import is_dtensor
-from dist_optim._kernels import unwrapped_step
 from dist_optim._owners import record_owner
-from dist_optim._shards import LocalShards, can_step_locally
+from dist_optim._stepper import InnerOptimizer, Recipe, step_inner_optimizers
 
 if TYPE_CHECKING:
     from dist_optim._grad_policy import GradPolicy
@@ -35,22 +34,24 @@ _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
 class _Bucket:
-    __slots__ = ("indices", "params", "size", "arrived", "steppers")
+    __slots__ = ("indices", "params", "size", "arrived", "inners")
 
     def __init__(self, indices: list[int], params: list[torch.Tensor]) -> None:
         self.indices = indices
         self.params = params
         self.size = len(params)
         self.arrived = 0
-        # (unwrapped step, inner optimizer, [(inner group, facade group, overrides)]) per optimizer class
-        self.steppers: list[tuple[Callable[..., Any], torch.optim.Optimizer, list[tuple[dict, dict, dict]]]] = []
+        self.inners: list[InnerOptimizer] = []  # one per optimizer class among the bucket's groups
 
 
 class Engine:
     """Per-parameter hooks and buckets for one :class:`~dist_optim.InBackwardOptimizer`."""
 
-    def __init__(self, owner: InBackwardOptimizer, cap_bytes: int, per_parameter: bool, policy: GradPolicy) -> None:
+    def __init__(
+        self, owner: InBackwardOptimizer, recipe: Recipe, cap_bytes: int, per_parameter: bool, policy: GradPolicy
+    ) -> None:
         self.owner = owner
+        self.recipe = recipe
         self.policy = policy
         self.cap_bytes = cap_bytes
         self.per_parameter = per_parameter
@@ -205,11 +206,7 @@ class Engine:
         t0 = time.perf_counter()
         stepped = [p for p in b.params if p.grad is not None]
         try:
-            for step, inner, pairs in b.steppers:
-                for inner_group, group, overrides in pairs:
-                    inner_group.update(group)
-                    inner_group.update(overrides)
-                step(inner)
+            step_inner_optimizers(b.inners)
         finally:
             b.arrived = 0
         for hook in self.owner._bucket_step_hooks.values():
@@ -249,35 +246,11 @@ class Engine:
 
     # -- inner optimizers ---------------------------------------------------------------------------------------
     def _build_steppers(self, b: _Bucket) -> None:
-        owner = self.owner
-        # Key: (facade group, sparse?). Sparse gradients take the for-loop path, the one torch has for them.
-        by_group: dict[tuple[int, bool], list[torch.Tensor]] = {}
+        # One part per (facade group, sparse?), in the bucket's order.
+        parts: dict[tuple[int, bool], list[torch.Tensor]] = {}
         for i in b.indices:
-            by_group.setdefault((self.group_of[i], i in self.sparse), []).append(self.params[i])
-        by_class: dict[type, list[tuple[int, bool]]] = {}
-        for key in by_group:
-            by_class.setdefault(owner._group_classes[key[0]], []).append(key)
-        b.steppers = []
-        for cls, keys in by_class.items():
-            overrides = [{} if sparse else owner._overrides[gi] for gi, sparse in keys]
-            params = [p for key in keys for p in by_group[key]]
-            shards = LocalShards(params) if can_step_locally(cls, params) else None
-            inner_groups = [
-                {**_hyper(owner.param_groups[gi]), "params": _stand_ins(by_group[(gi, sparse)], shards), **ov}
-                for (gi, sparse), ov in zip(keys, overrides)
-            ]
-            inner = cls(inner_groups, **owner._kwargs_for(cls))
-            inner.state = owner.state if shards is None else shards.state
-            pairs = [
-                (ig, owner.param_groups[gi], {"params": ig["params"], **ov})
-                for ig, (gi, _), ov in zip(inner.param_groups, keys, overrides)
-            ]
-            step = unwrapped_step(cls)
-            b.steppers.append((step if shards is None else shards.stepper(step, owner.state), inner, pairs))
-
-
-def _stand_ins(params: list[torch.Tensor], shards: LocalShards | None) -> list[torch.Tensor]:
-    return params if shards is None else [shards.stand_in(p) for p in params]
+            parts.setdefault((self.group_of[i], i in self.sparse), []).append(self.params[i])
+        b.inners = self.recipe.build([(gi, sparse, params) for (gi, sparse), params in parts.items()])
 
 
 def _started_inside_a_backward() -> bool:
@@ -307,10 +280,6 @@ def _refuse_nested_backward() -> None:
         "called from a hook): parameters would be stepped on partial gradients. Use "
         "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
     )
-
-
-def _hyper(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
 
 
 def _make_hook(ref: weakref.ref[Engine], i: int) -> Callable[[torch.Tensor], None]:

@@ -30,8 +30,8 @@ from dist_optim._inputs import (
     is_dtensor,
     module_params,
 )
-from dist_optim._kernels import implementation, unwrapped_step
 from dist_optim._owners import check_unowned, release
+from dist_optim._stepper import Recipe, step_inner_optimizers
 
 __all__: list[str] = []
 
@@ -167,9 +167,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             groups = [{"params": groups}]
         groups = [{**g, "params": as_list(g["params"])} if isinstance(g, dict) and "params" in g else g for g in groups]
         self._optimizer_class = optimizer_class
-        self._optimizer_kwargs = dict(optimizer_kwargs)
-        self._group_classes: list[type[torch.optim.Optimizer]] = []
-        self._overrides: list[dict[str, Any]] = []
+        self._recipe = Recipe(self, optimizer_class, optimizer_kwargs)
         self._finishing = False
         # Internal: called after each bucket step with the tensors just stepped (in-backward averaging uses it).
         self._bucket_step_hooks: dict[int, Callable[[list[torch.Tensor]], None]] = OrderedDict()
@@ -177,13 +175,13 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._accumulation_steps = accumulation_steps
         self._micro_batches = 0  # backwards accumulated since the last step
         self._no_step_depth = 0
-        self._engine = Engine(self, int(bucket_cap_mb * 2**20), per_parameter, policy)
+        self._engine = Engine(self, self._recipe, int(bucket_cap_mb * 2**20), per_parameter, policy)
         # Under DDP: parameters DDP reduces are stepped by its communication hook; the ones it ignores keep a local
         # step, as in DDP's standard loop.
         self._ddp_param_ids = {id(p) for p in ddp.parameters()} if ddp is not None else set()
         if ddp is not None:
             self._engine.hookless = ddp_managed(ddp)
-        defaults = self._probe_defaults(groups)
+        defaults = self._recipe.defaults(_first_tensor(groups))
         try:
             super().__init__(groups, defaults)
             if ddp is not None:
@@ -191,17 +189,6 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         except BaseException:
             self.remove()  # nothing stays attached from the groups that were accepted before the bad one
             raise
-
-    def _probe_defaults(self, groups: list[dict[str, Any]]) -> dict[str, Any]:
-        first = next((p for g in groups if isinstance(g, dict) for p in g.get("params", [])), None)
-        if isinstance(first, tuple):
-            first = first[1]
-        like = first if isinstance(first, torch.Tensor) else torch.empty(0)
-        dummy = torch.zeros(1, 1, dtype=like.dtype, device=like.device, requires_grad=True)
-        return dict(self._optimizer_class([dummy], **self._optimizer_kwargs).defaults)
-
-    def _kwargs_for(self, cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
-        return self._optimizer_kwargs if cls is self._optimizer_class else {}
 
     # -- groups -------------------------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -241,7 +228,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             )
         group["params"] = entries
         # The class fills its own defaults and checks its options (and the tensors) now, not at the first backward.
-        probe = cls([group], **self._kwargs_for(cls))
+        probe = self._recipe.fill(cls, group)
         filled = probe.param_groups[0]
         names = filled.get("param_names") or [f"param_groups[{len(self.param_groups)}][{k}]"
                                                for k in range(len(filled["params"]))]
@@ -249,8 +236,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         check_unowned(filled["params"], self, lambda p: by_id.get(id(p), "<unknown>"))
         self.state.update(probe.state)  # state some classes create at construction (Adagrad's sum)
         self.param_groups.append(filled)
-        self._group_classes.append(cls)
-        self._overrides.append(implementation(cls, filled, self._kwargs_for(cls)))
+        self._recipe.add_group(cls, filled)
         self._engine.add_params(len(self.param_groups) - 1, filled["params"])
 
     def _register_bucket_step_hook(self, hook: Callable[[list[torch.Tensor]], None]) -> RemovableHandle:
@@ -463,16 +449,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
 
     def _step_standard(self) -> None:
         """One standard step over the current groups and state (both may be swapped in from outside)."""
-        for cls in dict.fromkeys(self._group_classes):
-            groups = [
-                {**g, "params": list(g["params"]), **self._overrides[gi]}
-                for gi, g in enumerate(self.param_groups)
-                if self._group_classes[gi] is cls
-            ]
-            groups = [g for g in groups if g["params"]]
-            inner = cls(groups, **self._kwargs_for(cls))
-            inner.state = self.state
-            unwrapped_step(cls)(inner)
+        parts = [(gi, False, list(g["params"])) for gi, g in enumerate(self.param_groups) if g["params"]]
+        step_inner_optimizers(self._recipe.build(parts))
         if self._bucket_step_hooks:
             stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
             for hook in self._bucket_step_hooks.values():
@@ -492,9 +470,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict written by this class or by ``optimizer_class`` itself (same format)."""
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "in_backward"})
-        self._overrides = [
-            implementation(cls, g, self._kwargs_for(cls)) for cls, g in zip(self._group_classes, self.param_groups)
-        ]
+        self._recipe.choose_kernels()
         self._engine.rebind()
         self._load_in_backward_state(state_dict.get("in_backward") or {})
 
@@ -517,3 +493,11 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             )
         self._engine.remove()
         release((p for g in getattr(self, "param_groups", []) for p in g["params"]), self)
+
+
+def _first_tensor(groups: list[Any]) -> torch.Tensor:
+    """The first tensor given (its dtype and device build the probe of the class's defaults), else an empty one."""
+    first = next((p for g in groups if isinstance(g, dict) for p in g.get("params", [])), None)
+    if isinstance(first, tuple):
+        first = first[1]
+    return first if isinstance(first, torch.Tensor) else torch.empty(0)

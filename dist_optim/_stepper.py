@@ -1,0 +1,238 @@
+"""How a bucket of parameters is stepped: its inner ``torch.optim`` optimizers, their kernel, DTensor shards.
+
+Inner optimizers are built here and nowhere else (:meth:`Recipe.build`), one per optimizer class in a bucket, with
+the facade's ``state`` and its live groups copied in before every step. The kernel is torch's fastest one that runs
+on the tensors (``fused``, else ``foreach``); buckets of DTensor shards for elementwise optimizers are stepped on
+their local tensors, which saves DTensor's dispatch per call, while the facade keeps the state as DTensors.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from dist_optim._inputs import is_dtensor
+
+__all__: list[str] = []
+
+# Optimizers whose step is elementwise given the hyperparameters (no norm or reduction over a tensor).
+ELEMENTWISE = frozenset({
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
+    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD,
+    torch.optim.Rprop,
+})
+
+
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's options, without its tensors and their names."""
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def unwrapped_step(optimizer_class: type[torch.optim.Optimizer]) -> Callable[..., Any]:
+    """``optimizer_class.step`` without torch's profiling wrapper, whose global step hooks must fire once per
+    training step with the facade as argument, never once per bucket with an inner optimizer."""
+    step = optimizer_class.step
+    if getattr(step, "hooked", False):
+        return step.__wrapped__  # type: ignore[attr-defined]
+    return step
+
+
+class GroupLink(NamedTuple):
+    """One param group of an inner optimizer and where its options come from before each step."""
+
+    inner: dict[str, Any]  # the inner optimizer's group
+    facade: dict[str, Any]  # the facade's live group: an LR scheduler's or a manual change reaches the next step
+    fixed: dict[str, Any]  # what the facade's group must not overwrite: the bucket's tensors, the chosen kernel
+
+
+class InnerOptimizer(NamedTuple):
+    """A ``torch.optim`` optimizer over one bucket's parameters of one optimizer class."""
+
+    optimizer: torch.optim.Optimizer
+    step: Callable[[torch.optim.Optimizer], Any]  # its unwrapped step, or that step run on local shards
+    groups: list[GroupLink]
+
+
+def step_inner_optimizers(inners: list[InnerOptimizer]) -> None:
+    for inner in inners:
+        for link in inner.groups:
+            link.inner.update(link.facade)
+            link.inner.update(link.fixed)
+        inner.step(inner.optimizer)
+
+
+class Recipe:
+    """What inner optimizers are built from: the owner's live ``param_groups`` and ``state`` (both may be replaced,
+    by ``load_state_dict``), each group's optimizer class and the kernel chosen for it."""
+
+    def __init__(
+        self, owner: torch.optim.Optimizer, optimizer_class: type[torch.optim.Optimizer], kwargs: dict[str, Any]
+    ) -> None:
+        self.owner = owner
+        self.optimizer_class = optimizer_class
+        self.kwargs = dict(kwargs)
+        self.classes: list[type[torch.optim.Optimizer]] = []  # per group
+        self.kernels: list[dict[str, Any]] = []  # per group: {"fused": True}, {"foreach": True} or {}
+
+    def kwargs_for(self, cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
+        """A group with its own class takes its options from the group and that class's defaults."""
+        return self.kwargs if cls is self.optimizer_class else {}
+
+    def defaults(self, like: torch.Tensor) -> dict[str, Any]:
+        """``optimizer_class``'s defaults with the user's options, built on a tensor of ``like``'s kind."""
+        dummy = torch.zeros(1, 1, dtype=like.dtype, device=like.device, requires_grad=True)
+        return dict(self.optimizer_class([dummy], **self.kwargs).defaults)
+
+    def fill(self, cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> torch.optim.Optimizer:
+        """An optimizer over ``group`` alone: ``cls`` fills in its defaults and checks its options and tensors."""
+        return cls([group], **self.kwargs_for(cls))
+
+    def add_group(self, cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> None:
+        self.classes.append(cls)
+        self.kernels.append(choose_kernel(cls, group, self.kwargs_for(cls)))
+
+    def choose_kernels(self) -> None:
+        """Choose again for groups that were replaced (a loaded state dict brings its own flags)."""
+        self.kernels = [
+            choose_kernel(cls, g, self.kwargs_for(cls)) for cls, g in zip(self.classes, self.owner.param_groups)
+        ]
+
+    def build(self, parts: list[tuple[int, bool, list[torch.Tensor]]]) -> list[InnerOptimizer]:
+        """The inner optimizers of a bucket given as ``(group index, sparse gradients?, tensors)`` parts. Sparse
+        gradients take the for-loop, the one path torch has for them."""
+        groups, state = self.owner.param_groups, self.owner.state
+        by_class: dict[type, list[tuple[int, bool, list[torch.Tensor]]]] = {}
+        for part in parts:
+            by_class.setdefault(self.classes[part[0]], []).append(part)
+        inners = []
+        for cls, cls_parts in by_class.items():
+            params = [p for _, _, ps in cls_parts for p in ps]
+            shards = LocalShards(params) if can_step_locally(cls, params) else None
+            fixed = [{} if sparse else self.kernels[gi] for gi, sparse, _ in cls_parts]
+            inner_groups = [
+                {**hyperparameters(groups[gi]), "params": ps if shards is None else shards.stand_ins_of(ps), **k}
+                for (gi, _, ps), k in zip(cls_parts, fixed)
+            ]
+            optimizer = cls(inner_groups, **self.kwargs_for(cls))
+            optimizer.state = state if shards is None else shards.state
+            links = [
+                GroupLink(ig, groups[gi], {"params": ig["params"], **k})
+                for ig, (gi, _, _), k in zip(optimizer.param_groups, cls_parts, fixed)
+            ]
+            step = unwrapped_step(cls)
+            inners.append(InnerOptimizer(optimizer, step if shards is None else shards.stepper(step, state), links))
+        return inners
+
+
+# -- the kernel ---------------------------------------------------------------------------------------------------
+def choose_kernel(cls: type[torch.optim.Optimizer], group: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Pick ``fused`` (else ``foreach``) for a group whose user left both unset, if it runs on these tensors."""
+    if group.get("fused") is not None or group.get("foreach") is not None or group.get("differentiable"):
+        return {}
+    for flag in ("fused", "foreach"):
+        if flag == "fused" and issubclass(cls, torch.optim.SGD):
+            # torch's fused SGD fails on a group where some momentum buffers exist and some do not yet (a parameter
+            # unused so far, or a layer added to a resumed model), which foreach and the for-loop handle.
+            continue
+        if flag in group and kernel_runs(cls, group, kwargs, flag):
+            return {flag: True}
+    return {}
+
+
+def kernel_runs(cls: type[torch.optim.Optimizer], group: dict[str, Any], kwargs: dict[str, Any], flag: str) -> bool:
+    """Whether ``cls`` steps with ``flag=True`` on tiny tensors like this group's (some refuse only at step)."""
+    probes = []
+    seen = set()
+    for p in group["params"]:
+        key = (p.dtype, p.device, p.ndim, type(p), getattr(p, "device_mesh", None))
+        if key not in seen:
+            seen.add(key)
+            probes.append(_probe_like(p))
+    try:
+        opt = cls([{**hyperparameters(group), "params": probes, flag: True}], **kwargs)
+        unwrapped_step(cls)(opt)
+    except (RuntimeError, ValueError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
+def _probe_like(p: torch.Tensor) -> torch.Tensor:
+    """A one-element tensor of ``p``'s kind with a zero gradient; for a DTensor, a replicated DTensor on its mesh
+    (built locally, no communication), since DTensor lacks some fused kernels that plain tensors have."""
+    local = torch.zeros([1] * p.ndim, dtype=p.dtype, device=p.device)
+    if is_dtensor(p):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        mesh = p.device_mesh
+        probe = DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        grad = DTensor.from_local(torch.zeros_like(local), mesh, [Replicate()] * mesh.ndim, run_check=False)
+    else:
+        probe, grad = local, torch.zeros_like(local)
+    probe.requires_grad_(True)
+    probe.grad = grad
+    return probe
+
+
+# -- DTensor shards -----------------------------------------------------------------------------------------------
+def can_step_locally(cls: type, params: list[torch.Tensor]) -> bool:
+    """An elementwise optimizer does on a DTensor exactly what it does on the local shard (DTensor dispatches each
+    foreach/fused call to the same kernel on the local tensors), without paying the dispatch."""
+    return cls in ELEMENTWISE and all(is_dtensor(p) and hasattr(p, "_local_tensor") for p in params)
+
+
+class LocalShards:
+    """Stand-ins for the local shards of some DTensor parameters, and the local view of their state."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.stand_ins = {id(p): p._local_tensor.detach() for p in params}
+        self.state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)  # the inner optimizer's
+        self._seen: dict[int, dict[str, Any]] = {}  # id(param) -> the facade state dict its local view came from
+
+    def stand_ins_of(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [self.stand_ins[id(p)] for p in params]
+
+    def stepper(self, step: Callable[[torch.optim.Optimizer], Any], facade_state: dict) -> Callable[..., Any]:
+        def run(inner: torch.optim.Optimizer) -> None:
+            new = []
+            for p in self.params:
+                a = self.stand_ins[id(p)]
+                local = p._local_tensor
+                if a.data_ptr() != local.data_ptr() or a.shape != local.shape:
+                    a.data = local  # FSDP2 re-created the shard (module.to(), lazy init): follow it
+                g = p.grad
+                if g is None:
+                    a.grad = None
+                    continue
+                a.grad = g._local_tensor
+                mine = facade_state.get(p)
+                if not mine:
+                    self.state.pop(a, None)
+                    new.append(p)
+                elif mine is not self._seen.get(id(p)):  # new, or replaced (load_state_dict, a standard step)
+                    self.state[a] = {k: v._local_tensor if is_dtensor(v) else v for k, v in mine.items()}
+                    self._seen[id(p)] = mine
+            try:
+                step(inner)
+            finally:
+                for p in new:
+                    local_state = self.state.get(self.stand_ins[id(p)])
+                    if local_state:
+                        facade_state[p] = wrapped = {k: _like(p, v) for k, v in local_state.items()}
+                        self._seen[id(p)] = wrapped
+                for a in self.stand_ins.values():
+                    a.grad = None  # the gradient's memory goes with the parameter's .grad
+
+        return run
+
+
+def _like(p: torch.Tensor, v: Any) -> Any:
+    """``v``, a state tensor made for ``p``'s local shard, as the DTensor the standard loop would hold."""
+    if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape != p._local_tensor.shape:
+        return v  # a scalar (``step``): a plain tensor in the standard loop too
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
