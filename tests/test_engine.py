@@ -20,17 +20,17 @@ def test_buckets_follow_gradient_arrival_and_cap():
     model = make_model(width=16)
     opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, bucket_cap_mb=16 * 16 * 4 / 2**20)
     loss_of(model, batches(1, width=16)[0]).backward()
-    buckets = opt._engine.buckets
-    flat = [p for b in buckets for p in b.params]
+    buckets = opt.buckets
+    flat = [p for b in buckets for p in b]
     assert len(flat) == len(list(model.parameters()))
     assert flat[0] is model.head.bias or flat[0] is model.head.weight  # the head's gradients arrive first
     position = {id(p): k for k, p in enumerate(flat)}
     assert position[id(model.layers[0].weight)] > position[id(model.layers[2].weight)]
     cap = 16 * 16 * 4
-    sizes = [sum(p.numel() * p.element_size() for p in b.params) for b in buckets]
+    sizes = [sum(p.numel() * p.element_size() for p in b) for b in buckets]
     assert all(size <= cap for size in sizes)  # a bucket never holds more than the cap
     for b, nxt in zip(buckets, buckets[1:]):  # and closes only when the next gradient would not fit
-        assert sum(p.numel() * p.element_size() for p in b.params) + nxt.params[0].numel() * 4 > cap
+        assert sum(p.numel() * p.element_size() for p in b) + nxt[0].numel() * 4 > cap
     assert len(buckets) > 2
 
 
@@ -38,15 +38,15 @@ def test_a_tensor_larger_than_the_cap_is_a_bucket_of_its_own():
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2))
     opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, bucket_cap_mb=1000 / 2**20)
     model(torch.randn(3, 64)).sum().backward()
-    big = [b for b in opt._engine.buckets if any(p is model[0].weight for p in b.params)]
-    assert len(big) == 1 and big[0].size == 1
+    big = [b for b in opt.buckets if any(p is model[0].weight for p in b)]
+    assert len(big) == 1 and len(big[0]) == 1
 
 
 def test_per_parameter_mode_steps_each_parameter_alone():
     model = make_model()
     opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, per_parameter=True)
     loss_of(model, batches(1)[0]).backward()
-    assert [b.size for b in opt._engine.buckets] == [1] * len(list(model.parameters()))
+    assert [len(b) for b in opt.buckets] == [1] * len(list(model.parameters()))
 
 
 def test_gradients_are_freed_while_backward_runs():
