@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dist_optim._engine import Engine
+
 __all__: list[str] = []
 
 
@@ -67,12 +69,12 @@ class _Reduction(NamedTuple):
 
 
 class DDPCommHook:
-    """Registered on the DDP model with ``register_comm_hook``; an optional inner hook (e.g. torch's
-    ``bf16_compress_hook``) does the reduction, then the bucket is stepped."""
+    """Registered on the DDP model with ``register_comm_hook`` by :meth:`attach`; an optional inner hook (e.g.
+    torch's ``bf16_compress_hook``) does the reduction, then the engine settles the bucket. It is the engine's
+    :class:`~dist_optim._engine.Reductions`."""
 
-    def __init__(self, engine: Any, ddp: nn.parallel.DistributedDataParallel, inner: Callable | None,
-                 inner_state: Any) -> None:
-        self.engine = engine
+    def __init__(self, ddp: nn.parallel.DistributedDataParallel, inner: Callable | None, inner_state: Any) -> None:
+        self.engine: Engine | None = None  # the engine it drives, from attach() on
         self.inner = inner if inner is not None else _mean_allreduce
         self.inner_state = inner_state if inner is not None else ddp.process_group
         self.ddp = weakref.ref(ddp)  # DDP holds this hook: a strong reference would be a cycle through C++
@@ -80,14 +82,19 @@ class DDPCommHook:
         self.pending: list[_Reduction] = []
         self.deferred: list[_Reduction] = []  # reduced, waiting for DDP's finalize to say which params were used
         self.requeued = False
+
+    def attach(self, engine: Engine) -> None:
+        """Drive ``engine`` from DDP's buckets; once only, when the optimizer is complete (DDP keeps a
+        communication hook for its lifetime)."""
+        ddp = self.ddp()
+        assert ddp is not None and self.engine is None
+        self.engine = engine
         ddp.register_comm_hook(self, DDPCommHook.hook)
         ddp.reducer._set_optimizer_in_backward()  # otherwise DDP re-creates every .grad at the end of backward
 
     @staticmethod
     def hook(self, bucket):  # unannotated: DDP checks a hook's annotations against real classes, not strings
-        engine = self.engine
-        engine.begin_if_new()
-        if not engine.stepping:
+        if not self.engine.enter_backward():
             raise RuntimeError(
                 "opt.no_step() and accumulation_steps do not apply under DDP, which reduces in every backward; "
                 "accumulate with `with model.no_sync():` on the micro-batches that only accumulate"
@@ -128,7 +135,7 @@ class DDPCommHook:
                 continue
             for p, g in zip(r.params, r.grads):
                 p.grad = g  # a view of DDP's bucket, which DDP keeps; stepping drops the reference
-            self.engine.complete(self.engine.comm_bucket(r.params))
+            self.engine.settle_reduced(r.params)
 
     def finish(self) -> bool:
         """Step every bucket left; False when some wait for DDP's finalize, which is queued after the calling
@@ -151,7 +158,7 @@ class DDPCommHook:
                     p.grad = g
                     stepped = True
             if stepped:
-                self.engine.complete(self.engine.comm_bucket(r.params))
+                    self.engine.settle_reduced(r.params)
         return True
 
     def reset(self) -> None:

@@ -8,6 +8,7 @@ stepped this time and the buffers when the training step ends, bitwise as ``upda
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from dist_optim.optimizer import InBackwardOptimizer
 
 __all__ = ["average_in_backward"]
 
-# averaged model -> (weakref to the optimizer that keeps it up to date, id of the hooks' handle there)
+# averaged model -> (weakref to the optimizer that keeps it up to date, the hooks' handle there)
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -97,7 +98,7 @@ def average_in_backward(
     previous = _ATTACHED.get(averaged_model)
     if previous is not None:
         other = previous[0]()
-        if other is not None and previous[1] in other._bucket_step_hooks:
+        if other is not None and previous[1].attached:
             raise ValueError(
                 f"averaged_model is already averaged in backward by {type(other).__name__} at {hex(id(other))}; "
                 "one averaged model follows one optimizer (put all parameters in one InBackwardOptimizer: groups "
@@ -105,16 +106,27 @@ def average_in_backward(
             )
 
     averager = _Averager(averaged_model, model)
-    # One handle for the three hooks, the way torch.optim.Optimizer registers its own step hooks.
-    handle = RemovableHandle(
-        optimizer._bucket_step_hooks,
-        extra_dict=[optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks],
-    )
-    optimizer._optimizer_step_pre_hooks[handle.id] = averager.begin
-    optimizer._bucket_step_hooks[handle.id] = averager.bucket_stepped
-    optimizer._optimizer_step_post_hooks[handle.id] = averager.end
-    _ATTACHED[averaged_model] = (weakref.ref(optimizer), handle.id)
+    handle = _Hooks([
+        optimizer.register_step_pre_hook(averager.begin),
+        optimizer.register_bucket_step_hook(averager.bucket_stepped),
+        optimizer.register_step_post_hook(averager.end),
+    ])
+    _ATTACHED[averaged_model] = (weakref.ref(optimizer), handle)
     return handle
+
+
+class _Hooks(RemovableHandle):
+    """One handle for the averager's three hooks (step pre, bucket step, step post)."""
+
+    def __init__(self, handles: list[RemovableHandle]) -> None:
+        super().__init__(OrderedDict())
+        self.handles = handles
+        self.attached = True
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.attached = False
 
 
 def _check_correspondence(averaged_model: AveragedModel, model: nn.Module) -> None:
@@ -163,7 +175,7 @@ class _Averager:
     def begin(self, _optimizer: Any = None, _args: Any = None, _kwargs: Any = None) -> None:
         self.step = _Step(self.averaged_model, self.model, self._n_averaged())
 
-    def bucket_stepped(self, stepped: list[torch.Tensor]) -> None:
+    def bucket_stepped(self, _optimizer: Any, stepped: list[torch.Tensor]) -> None:
         step = self.step
         if step is None:  # attached in the middle of a training step
             self.begin()

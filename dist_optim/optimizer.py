@@ -30,8 +30,8 @@ from dist_optim._inputs import (
     is_dtensor,
     module_params,
 )
-from dist_optim._owners import check_unowned, release
-from dist_optim._stepper import Recipe, step_inner_optimizers
+from dist_optim._owners import check_unowned, record_owner, release
+from dist_optim._stepper import Recipe
 
 __all__: list[str] = []
 
@@ -141,7 +141,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             nonfinite=nonfinite,
             track_grad_norm=track_grad_norm,
         )
-        policy = GradPolicy(**self._policy_options)
+        self._policy = GradPolicy(**self._policy_options)
         ddp = params if isinstance(params, nn.parallel.DistributedDataParallel) else None
         if ddp is not None:
             check_ddp(ddp)
@@ -169,23 +169,33 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._optimizer_class = optimizer_class
         self._recipe = Recipe(self, optimizer_class, optimizer_kwargs)
         self._finishing = False
-        # Internal: called after each bucket step with the tensors just stepped (in-backward averaging uses it).
-        self._bucket_step_hooks: dict[int, Callable[[list[torch.Tensor]], None]] = OrderedDict()
+        self._bucket_step_hooks: dict[int, Callable[[InBackwardOptimizer, list[torch.Tensor]], None]] = OrderedDict()
         self._allow_local_steps = allow_local_steps
+        # plain tensors were accepted in a single process: every backward checks that no multi-rank group has
+        # appeared since (a model wrapped in DDP afterwards would step on local gradients)
+        self._recheck_world = False
         self._accumulation_steps = accumulation_steps
         self._micro_batches = 0  # backwards accumulated since the last step
         self._no_step_depth = 0
-        self._engine = Engine(self, self._recipe, int(bucket_cap_mb * 2**20), per_parameter, policy)
         # Under DDP: parameters DDP reduces are stepped by its communication hook; the ones it ignores keep a local
         # step, as in DDP's standard loop.
         self._ddp_param_ids = {id(p) for p in ddp.parameters()} if ddp is not None else set()
-        if ddp is not None:
-            self._engine.hookless = ddp_managed(ddp)
+        reductions = DDPCommHook(ddp, ddp_comm_hook, ddp_comm_state) if ddp is not None else None
+        self._ddp_hook: DDPCommHook | None = None  # once attached to the DDP model, which keeps it
+        self._engine = Engine(
+            _EngineOwner(self),
+            self._recipe,
+            int(bucket_cap_mb * 2**20),
+            per_parameter,
+            reductions,
+            frozenset(ddp_managed(ddp)) if ddp is not None else frozenset(),
+        )
         defaults = self._recipe.defaults(_first_tensor(groups))
         try:
             super().__init__(groups, defaults)
-            if ddp is not None:
-                self._engine.comm = DDPCommHook(self._engine, ddp, ddp_comm_hook, ddp_comm_state)
+            if reductions is not None:
+                reductions.attach(self._engine)
+                self._ddp_hook = reductions
         except BaseException:
             self.remove()  # nothing stays attached from the groups that were accepted before the bad one
             raise
@@ -218,7 +228,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         plain = [t for t in tensors if id(t) not in self._ddp_param_ids and not is_dtensor(t)]
         check_single_process(self._allow_local_steps, plain)
         if plain and not self._allow_local_steps:
-            self._engine.recheck_world = True
+            self._recheck_world = True
         if self._accumulation_steps > 1 and any(is_dtensor(p) for p in tensors):
             raise NotImplementedError(
                 "accumulation_steps > 1 with DTensor (FSDP2) parameters: FSDP2 runs no gradient hook on the "
@@ -237,11 +247,34 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self.state.update(probe.state)  # state some classes create at construction (Adagrad's sum)
         self.param_groups.append(filled)
         self._recipe.add_group(cls, filled)
-        self._engine.add_params(len(self.param_groups) - 1, filled["params"])
+        handles = self._engine.add_params(len(self.param_groups) - 1, filled["params"])
+        for p, handle in zip(filled["params"], handles):
+            record_owner(p, self, handle)
 
-    def _register_bucket_step_hook(self, hook: Callable[[list[torch.Tensor]], None]) -> RemovableHandle:
-        """``hook(params)`` runs right after each bucket step (and after a standard :meth:`step`) with the tensors
-        that were just stepped. Internal: for features that must follow the parameters bucket by bucket."""
+    def register_bucket_step_hook(
+        self, hook: Callable[[InBackwardOptimizer, list[torch.Tensor]], None]
+    ) -> RemovableHandle:
+        """Register a hook called right after each bucket is stepped, inside ``backward()``, and after a standard
+        :meth:`step`, with the tensors just stepped (those of the bucket that had a gradient, still set).
+
+        The hook has the signature ``hook(optimizer: InBackwardOptimizer, params: list[Tensor]) -> None``; it runs
+        once per bucket, in the order buckets are stepped, between the step pre hooks and post hooks of the
+        training step. Use it for work that should follow each parameter while it is hot (EMA, logging).
+
+        Returns:
+            A handle whose ``remove()`` unregisters the hook.
+
+        Example:
+            >>> import torch, dist_optim
+            >>> model = torch.nn.Linear(4, 2)
+            >>> opt = dist_optim.InBackwardOptimizer(model, torch.optim.SGD, lr=0.1, per_parameter=True)
+            >>> seen = []
+            >>> handle = opt.register_bucket_step_hook(lambda o, params: seen.append(len(params)))
+            >>> model(torch.randn(3, 4)).sum().backward()
+            >>> seen  # bias and weight, each a bucket of its own
+            [1, 1]
+            >>> handle.remove()
+        """
         handle = RemovableHandle(self._bucket_step_hooks)
         self._bucket_step_hooks[handle.id] = hook
         return handle
@@ -258,6 +291,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     # -- the training step --------------------------------------------------------------------------------------
     def _backward_steps(self) -> bool:
         """Called once at the start of every backward: does this one step, or accumulate a micro-batch?"""
+        if self._recheck_world and torch.distributed.is_available() and torch.distributed.is_initialized():
+            self._check_still_single_process()
         if self._no_step_depth:
             return False
         self._micro_batches += 1
@@ -298,14 +333,14 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     @property
     def last_step(self) -> StepStats:
         """Telemetry of the last training step: grad norm, tensors stepped and skipped, overflow, step time."""
-        return self._engine.policy.stats
+        return self._policy.stats
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
         """Total norm of the gradients of the last step, measured inside backward before any step or clipping
         (the value ``clip_grad_norm_`` would have returned); ``None`` unless ``track_grad_norm=True`` or a
         global-norm ``max_grad_norm`` is set."""
-        return self._engine.policy.stats.grad_norm
+        return self._policy.stats.grad_norm
 
     @property
     def buckets(self) -> tuple[tuple[torch.Tensor, ...], ...]:
@@ -364,16 +399,17 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         }
         options = {**self._policy_options, **changes}
         policy = GradPolicy(**options)
-        old = self._engine.policy
+        old = self._policy
         policy.previous_norm, policy.stats = old.previous_norm, old.stats
         self._policy_options = options
-        self._engine.policy = policy
+        self._policy = policy
 
     def _check_still_single_process(self) -> None:
         """Once per backward: plain tensors accepted before a process group existed must not now step locally."""
         try:
             plain = [
-                p for p in self._engine.params if id(p) not in self._ddp_param_ids and not is_dtensor(p)
+                p for g in self.param_groups for p in g["params"] if id(p) not in self._ddp_param_ids
+                and not is_dtensor(p)
             ]
             check_single_process(False, plain)
         except RuntimeError as e:
@@ -381,18 +417,6 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                 f"{e}. This optimizer was built before the process group existed; build it after wrapping the "
                 "model (InBackwardOptimizer(ddp_model, ...))"
             ) from None
-
-    def _begin_training_step(self) -> None:
-        for hook in chain(_global_optimizer_pre_hooks.values(), self._optimizer_step_pre_hooks.values()):
-            hook(self, (), {})
-
-    def _end_training_step(self) -> None:
-        # Through the public step(), so that wrappers installed on it (LR schedulers) see the step happen.
-        self._finishing = True
-        try:
-            self.step()
-        finally:
-            self._finishing = False
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Finish a training step; the update itself already ran inside ``backward()``.
@@ -416,9 +440,12 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if any(p.grad is not None for g in self.param_groups for p in g["params"]):
             self._micro_batches = 0
-            if self._apply_policy_to_pending():
-                self._begin_training_step()
-                self._step_standard()
+            # one bucket of every tensor, unscaled/checked/clipped, then stepped or skipped, as in backward
+            stepped = self._engine.step_standard(
+                [(gi, list(g["params"])) for gi, g in enumerate(self.param_groups) if g["params"]]
+            )
+            self._policy.end(self)
+            if stepped:
                 self._run_post_hooks()
         return loss
 
@@ -427,34 +454,6 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     def _run_post_hooks(self) -> None:
         for hook in chain(self._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()):
             hook(self, (), {})
-
-    def _apply_policy_to_pending(self) -> bool:
-        """Unscale/check/clip the pending gradients as one bucket; ``False`` if the step must be skipped."""
-        policy = self._engine.policy
-        policy.begin()
-        pending = [(i, p) for i, p in enumerate(self._engine.params) if p.grad is not None]
-        ok = True
-        if policy.active and pending:
-            grads = [p.grad for _, p in pending]
-            ok = policy.prepare([i for i, _ in pending], grads, lambda k: self.param_name(pending[k][1]))
-            if policy.hold:
-                ok = ok and policy.finish_held(grads)
-        policy.stats.params_stepped = len(pending) if ok else 0
-        policy.stats.params_skipped = 0 if ok else len(pending)
-        policy.end(self)
-        if not ok:
-            for _, p in pending:
-                p.grad = None
-        return ok
-
-    def _step_standard(self) -> None:
-        """One standard step over the current groups and state (both may be swapped in from outside)."""
-        parts = [(gi, False, list(g["params"])) for gi, g in enumerate(self.param_groups) if g["params"]]
-        step_inner_optimizers(self._recipe.build(parts))
-        if self._bucket_step_hooks:
-            stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-            for hook in self._bucket_step_hooks.values():
-                hook(stepped)
 
     # -- state --------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -471,28 +470,67 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         """Load a state dict written by this class or by ``optimizer_class`` itself (same format)."""
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "in_backward"})
         self._recipe.choose_kernels()
-        self._engine.rebind()
+        self._engine.rebuild()
         self._load_in_backward_state(state_dict.get("in_backward") or {})
 
     def _in_backward_state(self) -> dict[str, Any]:
         """Plain data the next step needs beyond ``state`` (see :meth:`state_dict`); checkpoints store it too."""
-        return self._engine.policy.extra_state()
+        return self._policy.extra_state()
 
     def _load_in_backward_state(self, extra: dict[str, Any]) -> None:
         first = next((p for g in self.param_groups for p in g["params"]), None)
         if first is not None:
-            self._engine.policy.load_extra_state(extra, like=first)
+            self._policy.load_extra_state(extra, like=first)
 
     def remove(self) -> None:
         """Detach every hook. The model then trains with a standard optimizer again, and this object behaves as
         one: :meth:`step` steps whatever gradients are present."""
-        if self._engine.comm is not None:
+        if self._ddp_hook is not None:
             raise NotImplementedError(
                 "cannot detach from a DistributedDataParallel model: DDP keeps its communication hook for its "
                 "lifetime. Wrap the module in a new DDP to train it with a standard optimizer"
             )
         self._engine.remove()
         release((p for g in getattr(self, "param_groups", []) for p in g["params"]), self)
+
+
+class _EngineOwner:
+    """The optimizer as its engine sees it (``dist_optim._engine.Owner``): the training step's edges."""
+
+    __slots__ = ("opt",)
+
+    def __init__(self, opt: InBackwardOptimizer) -> None:
+        self.opt = opt
+
+    def backward_steps(self) -> bool:
+        return self.opt._backward_steps()
+
+    def grad_policy(self) -> GradPolicy:
+        return self.opt._policy
+
+    def param_name(self, p: torch.Tensor) -> str:
+        return self.opt.param_name(p)
+
+    def step_begins(self) -> None:
+        opt = self.opt
+        for hook in chain(_global_optimizer_pre_hooks.values(), opt._optimizer_step_pre_hooks.values()):
+            hook(opt, (), {})
+
+    def bucket_stepped(self, params: list[torch.Tensor]) -> None:
+        opt = self.opt
+        for hook in opt._bucket_step_hooks.values():
+            hook(opt, params)
+
+    def step_ends(self, stepped: bool) -> None:
+        opt = self.opt
+        opt._policy.end(opt)
+        if stepped:
+            # Through the public step(), so that wrappers installed on it (LR schedulers) see the step happen.
+            opt._finishing = True
+            try:
+                opt.step()
+            finally:
+                opt._finishing = False
 
 
 def _first_tensor(groups: list[Any]) -> torch.Tensor:

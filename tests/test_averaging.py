@@ -104,11 +104,11 @@ def test_each_bucket_is_averaged_in_backward_right_after_its_step(engine):
     average_in_backward(opt, avg, model)
     order = []  # per bucket: does its average differ from the just-stepped parameters?
 
-    def after_ours(stepped):
+    def after_ours(_opt, stepped):
         names = [n for n, p in model.named_parameters() if any(p is s for s in stepped)]
         order.append(all(not torch.equal(avg.module.get_parameter(n), model.get_parameter(n)) for n in names))
 
-    opt._register_bucket_step_hook(after_ours)  # a bucket hook that runs after ours, before the next bucket
+    opt.register_bucket_step_hook(after_ours)  # a bucket hook that runs after ours, before the next bucket
     data = batches(3)
     loss_of(model, data[0]).backward()  # n_averaged == 0: copies, no call of the average
     assert calls == []
