@@ -1,7 +1,7 @@
 """dist_optim: the optimizer step inside the backward pass, exactly like the standard loop, with less memory."""
 
 from dist_optim._grad_policy import StepStats
-from dist_optim._per_param import apply_optimizer_in_backward, get_in_backward_optimizers
+from dist_optim._seed_pair import apply_optimizer_in_backward, get_in_backward_optimizers
 from dist_optim.averaging import average_in_backward
 from dist_optim.optimizer import InBackwardOptimizer
 
