@@ -201,7 +201,7 @@ def activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
 
 
 def bucket_bytes(opt: dist_optim.InBackwardOptimizer) -> list[int]:
-    return [sum(p.numel() * p.element_size() for p in b.params) for b in opt._engine.buckets]
+    return [sum(p.numel() * p.element_size() for p in b) for b in opt.buckets]
 
 
 def saving_at_batch(spec: dict[str, Any], base: nn.Module, batch: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -400,7 +400,7 @@ class ModelBench:
             "largest_tensor_bytes": largest_tensor,
             "activation_bytes": self.activation_bytes,
             "inbackward_buckets": {
-                "count": len(buckets), "bytes": buckets, "tensors": [len(b.params) for b in inb._engine.buckets],
+                "count": len(buckets), "bytes": buckets, "tensors": [len(b) for b in inb.buckets],
             },
             "memory": self.memory,
             "memory_saving": savings,
