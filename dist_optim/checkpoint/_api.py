@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -12,9 +14,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from . import _ranks, _storage
+from . import _ranks, _schema, _storage
 from ._codec import dumps
 from ._components import COMPONENTS
 from ._names import Remap
@@ -30,7 +33,7 @@ class AsyncSave:
     """A save in flight (``save(..., async_save=True)``): the state was copied before ``save`` returned, so
     training may go on; the checkpoint becomes visible (committed by rank 0) when the upload finishes."""
 
-    def __init__(self, future: Any, on_done: Any, cleanup: Any = None) -> None:
+    def __init__(self, future: Any, on_done: Any, cleanup: Any = None, on_error: Any = None) -> None:
         self._error: BaseException | None = None
         self._done = threading.Event()
         future = getattr(future, "upload_completion", future)
@@ -40,7 +43,7 @@ class AsyncSave:
                 f.result()
                 on_done()
             except BaseException as e:  # noqa: BLE001 - reported by wait()
-                self._error = e
+                self._error = on_error(e) if on_error is not None else e
             finally:
                 if cleanup is not None:
                     cleanup()
@@ -106,23 +109,60 @@ def write(req: SaveRequest) -> AsyncSave | None:
         component.collect(req, snap)
     text = dumps(snap.plain)  # refuses what JSON cannot hold before anything is written
     marker = {"format": FORMAT, "step": req.step, "world_size": _ranks.world(group), "time": time.time()}
-    _ranks.on_rank0(lambda: _storage.prepare(req.path), group)  # the other ranks wait for it here
+    staging = _ranks.on_rank0(lambda: _storage.prepare(req.path), group)  # the other ranks wait for it here
+    rank0 = _ranks.is_rank0(group)
 
     def commit() -> None:  # rank 0; the other ranks do no work after it that rank 0 would wait for
-        _storage.commit(req.path, text, marker)
+        _storage.commit(req.path, staging, text, marker)
         if req.after_commit is not None:
             req.after_commit()
 
-    writer = FileSystemWriter(_storage.partial_path(req.path))
-    with single_process_is_intended():
-        if req.async_save:
-            # DCP's default stager takes the CPU copy (the writer's own staging copies DTensors twice, 2-5x slower)
-            stager = DefaultStager(StagingOptions(False, False, False, False))
-            future = dcp.async_save(snap.tensors, storage_writer=writer, process_group=group, async_stager=stager)
-            return AsyncSave(future, commit if _ranks.is_rank0(group) else lambda: None, stager.close)
-        dcp.save(snap.tensors, storage_writer=writer, process_group=group)
-    _ranks.on_rank0(commit, group)
+    def failed(error: BaseException) -> BaseException:
+        if isinstance(error, _storage.CheckpointError) or not isinstance(error, (Exception, CheckpointException)):
+            return error  # already ours, or an interrupt: a crash leaves the staging folder, as documented
+        if not staging.exists() and req.path.exists():
+            cause = f"another save committed {req.path} while this one was writing (its staging folder is gone)"
+        else:
+            cause = _failure_cause(error, staging)  # before removing: the free space tells a full disk
+        if rank0:
+            _storage.remove_staging(staging)
+        return _storage.CheckpointError(f"saving {req.path} failed: {cause}; the partial save was removed")
+
+    writer = FileSystemWriter(staging)
+    try:
+        with single_process_is_intended():
+            if req.async_save:
+                # DCP's default stager takes the CPU copy (the writer's own staging copies DTensors twice, 2-5x
+                # slower)
+                stager = DefaultStager(StagingOptions(False, False, False, False))
+                future = dcp.async_save(snap.tensors, storage_writer=writer, process_group=group,
+                                        async_stager=stager)
+                return AsyncSave(future, commit if rank0 else lambda: None, stager.close, failed)
+            dcp.save(snap.tensors, storage_writer=writer, process_group=group)
+        _ranks.on_rank0(commit, group)
+    except (Exception, CheckpointException) as e:
+        raise failed(e) from e
     return None
+
+
+def _failure_cause(error: BaseException, staging: Path) -> str:
+    """The underlying error of a failed write, in words: DCP wraps every rank's exception in a
+    ``CheckpointException`` (a ``BaseException``) whose text for a full disk is torch's ``unexpected pos``."""
+    found = [exc for exc, _ in error.failures.values()] if isinstance(error, CheckpointException) else [error]
+    ranks = list(error.failures) if isinstance(error, CheckpointException) else [None]
+    chain: list[BaseException] = []
+    for exc in found:
+        while exc is not None and exc not in chain:
+            chain.append(exc)
+            exc = exc.__cause__ or exc.__context__
+    try:
+        free = shutil.disk_usage(staging.parent).free
+    except OSError:
+        free = None
+    if any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in chain) or (free is not None and free < 2**20):
+        return f"no space left on the device of {staging.parent} ({free} bytes free)"
+    where = f" on rank {ranks[0]}" if ranks[0] is not None else ""
+    return f"{type(found[0]).__name__}{where}: {found[0]}"
 
 
 @dataclass
@@ -177,11 +217,15 @@ def open_source(req: LoadRequest) -> Source:
         hint = " (an unfinished save)" if _storage.partial_path(folder).is_dir() else ""
         raise _storage.CheckpointError(f"no checkpoint folder at {folder}{hint}")
     plain = _storage.read_plain(folder)
-    if plain.get("format") != FORMAT:
-        raise _storage.CheckpointError(f"{folder}: checkpoint format {plain.get('format')!r}, expected {FORMAT}")
+    if not isinstance(plain, dict) or plain.get("format") != FORMAT:
+        found = plain.get("format") if isinstance(plain, dict) else None
+        raise _storage.CheckpointError(f"{folder}: checkpoint format {found!r}, expected {FORMAT}")
     reader = _storage.SafeReader(folder)
     metadata = reader.read_metadata()
     _storage.check_files(folder, metadata)
+    # rank 0 reads every file once for the whole job; all ranks read the same folder
+    _ranks.on_rank0(lambda: _storage.verify_hashes(folder), req.process_group)
+    _schema.validate(plain, str(folder))
     return Source(folder, plain, reader, metadata, req.remap, req.strict)
 
 
