@@ -113,7 +113,13 @@ def write(req: SaveRequest) -> AsyncSave | None:
     rank0 = _ranks.is_rank0(group)
 
     def commit() -> None:  # rank 0; the other ranks do no work after it that rank 0 would wait for
-        _storage.commit(req.path, staging, text, marker)
+        try:
+            _storage.commit(req.path, staging, text, marker)
+        except Exception as e:  # every rank has finished writing: the staging folder is only ours to remove
+            cause = e if isinstance(e, _storage.CheckpointError) else _storage.CheckpointError(
+                f"saving {req.path} failed at commit: {_failure_cause(e, staging)}; the partial save was removed")
+            _storage.remove_staging(staging)
+            raise cause from e
         if req.after_commit is not None:
             req.after_commit()
 
@@ -124,7 +130,11 @@ def write(req: SaveRequest) -> AsyncSave | None:
             cause = f"another save committed {req.path} while this one was writing (its staging folder is gone)"
         else:
             cause = _failure_cause(error, staging)  # before removing: the free space tells a full disk
-        if rank0:
+        if not isinstance(error, CheckpointException):
+            # a collective failed (a rank was lost): other ranks may still be writing there, as after a crash
+            return _storage.CheckpointError(f"saving {req.path} failed: {cause}; {staging} is left for the next "
+                                            "successful save of this name to remove")
+        if rank0:  # DCP gathered every rank's failure: no rank writes there any more
             _storage.remove_staging(staging)
         return _storage.CheckpointError(f"saving {req.path} failed: {cause}; the partial save was removed")
 

@@ -85,9 +85,7 @@ def plan_scaler(req: LoadRequest, src: Source) -> Apply | None:
     scaler = req.objects.grad_scaler
     if scaler is None:
         return None
-    saved = src.plain.get("grad_scaler")
-    if saved is None:
-        raise src.error("holds no grad scaler state (none was saved)")
+    saved = src.required("grad_scaler", "grad scaler state")
     return lambda: scaler.load_state_dict(saved)
 
 

@@ -80,9 +80,7 @@ def plan(req: LoadRequest, src: Source) -> Callable[[], None] | None:
     optimizer = req.objects.optimizer
     if optimizer is None:
         return None
-    saved = src.plain.get("optimizer")
-    if saved is None:
-        raise src.error("holds no optimizer state (none was saved)")
+    saved = src.required("optimizer", "optimizer state")
     saved_group_of = {n: gi for gi, g in enumerate(saved["param_groups"]) for n in g["params"]}
     names = param_names(req.objects.module, optimizer)
     mapping = src.match([n for row in names for n in row], list(saved_group_of), "optimizer")

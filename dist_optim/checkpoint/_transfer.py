@@ -58,6 +58,12 @@ class Source:
     def error(self, message: str) -> CheckpointError:
         return CheckpointError(f"checkpoint {self.folder}: {message}")
 
+    def required(self, key: str, what: str) -> Any:
+        """The plain data saved under ``key``, for an object the caller passed: refused if none was saved."""
+        if self.plain.get(key) is None:
+            raise self.error(f"holds no {what} (none was saved)")
+        return self.plain[key]
+
     def saved_keys(self, prefix: str) -> list[str]:
         """The names stored under ``prefix`` (``"averaged/"`` -> the averaged model's names)."""
         return [k[len(prefix):] for k in self.metadata.state_dict_metadata if k.startswith(prefix)]
