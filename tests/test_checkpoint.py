@@ -358,3 +358,137 @@ def test_previous_norm_clipping_resumes_exactly(tmp_path, via):
     # a standard optimizer's state dict has no previous norm: the next step is not clipped, as documented
     opt2.load_state_dict(torch.optim.AdamW(model2.parameters(), **ADAMW).state_dict())
     assert opt2._policy.previous_norm is None
+
+
+# -- reliability (issue 11): concurrent writers, damaged or foreign content, a full disk -----------------------------
+def _rehash(folder, name) -> None:
+    """Record ``name``'s new content in the commit marker, as a writer that stored bad data would have."""
+    import hashlib
+    import json
+
+    marker = json.loads((folder / "COMMITTED").read_text())
+    data = (folder / name).read_bytes()
+    marker["files"][name] = len(data)
+    if "sha256" in marker:
+        marker["sha256"][name] = hashlib.sha256(data).hexdigest()
+    (folder / "COMMITTED").write_text(json.dumps(marker))
+
+
+def _edit_plain(folder, edit) -> None:
+    import json
+
+    plain = json.loads((folder / "dist_optim.json").read_text())
+    edit(plain)
+    (folder / "dist_optim.json").write_text(json.dumps(plain))
+    _rehash(folder, "dist_optim.json")
+
+
+def test_a_committed_folder_without_metadata_is_never_latest(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    model = make_model()
+    manager.save(1, model=model)
+    manager.save(2, model=model)
+    (tmp_path / "step_00000002" / ".metadata").unlink()
+    assert manager.latest() == tmp_path / "step_00000001"
+    manager.save(3, model=model)  # pruning keeps the good step 1 and the new step 3
+    assert [p.name for p in manager.checkpoints()] == ["step_00000003", "step_00000001"]
+
+
+def _set(path: str, value):
+    def edit(plain):
+        *parents, last = path.split(".")
+        node = plain
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        if isinstance(node, list):
+            node[int(last)] = value
+        elif value is _DELETE:
+            del node[last]
+        else:
+            node[last] = value
+    return edit
+
+
+_DELETE = object()
+DAMAGES = {
+    "negative lr": ("optimizer.param_groups.0.lr", -1.0, r"optimizer\.param_groups\[0\]\.lr must be a number >= 0"),
+    "lr a string": ("optimizer.param_groups.0.lr", "fast", r"optimizer\.param_groups\[0\]\.lr must be a number"),
+    "groups not a list": ("optimizer.param_groups", {"a": 1}, r"optimizer\.param_groups must be a list"),
+    "param name not a string": ("optimizer.param_groups.0.params.0", 7, r"params\[0\] must be a str"),
+    "values not a dict": ("optimizer.values", [], r"optimizer\.values must be a dict"),
+    "no model names": ("model", _DELETE, r"model is missing"),
+    "step a string": ("step", "three", r"step must be an int >= 0 or null"),
+    "world size 0": ("world_size", 0, r"world_size must be an int >= 1"),
+    "scheduler not a dict": ("schedulers.0", 3, r"schedulers\[0\] must be a dict"),
+    "python rng damaged": ("rng.0.python", 5, r"rng\[0\]\.python"),
+    "extra not a dict": ("extra", [1], r"extra must be a dict"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_damaged_plain_data_is_refused_before_anything_changes(tmp_path, damage):
+    model, opt, sched = build("in_backward")
+    train("in_backward", model, opt, sched, DATA[:2])
+    save(tmp_path / "ck", model=model, optimizer=opt, schedulers=sched, step=2)
+    path, value, message = DAMAGES[damage]
+    _edit_plain(tmp_path / "ck", _set(path, value))
+    model2, opt2, sched2 = build("in_backward", seed=5)
+    train("in_backward", model2, opt2, sched2, DATA[2:3])
+    before = (copy.deepcopy(model2.state_dict()), full_state(opt2), copy.deepcopy(opt2.param_groups[0]["lr"]),
+              sched2.state_dict(), torch.get_rng_state(), random.getstate())
+    with pytest.raises(CheckpointError, match=message):
+        load(tmp_path / "ck", model=model2, optimizer=opt2, schedulers=sched2)
+    after = (model2.state_dict(), full_state(opt2), opt2.param_groups[0]["lr"], sched2.state_dict(),
+             torch.get_rng_state(), random.getstate())
+    for k, v in before[0].items():
+        assert torch.equal(v, after[0][k]), f"model {k} changed by a refused load"
+    for k in before[1]:
+        for key in before[1][k]:
+            assert torch.equal(before[1][k][key], after[1][k][key]), f"state[{k}][{key}] changed by a refused load"
+    assert before[2:4] == after[2:4]
+    assert torch.equal(before[4], after[4]) and before[5] == after[5]
+
+
+def test_metadata_paths_outside_the_checkpoint_are_refused(tmp_path):
+    model, _ = _trained(tmp_path)
+    shutil.copytree(tmp_path / "ck", tmp_path / "elsewhere")
+    meta_file = tmp_path / "ck" / ".metadata"
+    metadata = pickle.loads(meta_file.read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = "../elsewhere/" + info.relative_path
+    meta_file.write_bytes(pickle.dumps(metadata))
+    _rehash(tmp_path / "ck", ".metadata")
+    with pytest.raises(CheckpointError, match=r"storage path '\.\./elsewhere/.*' points outside the checkpoint"):
+        load(tmp_path / "ck", model=model)
+
+
+def test_a_shard_copied_from_another_checkpoint_is_refused(tmp_path):
+    model, opt, _ = build("in_backward")
+    save(tmp_path / "a", model=model, optimizer=opt)
+    other, other_opt, _ = build("in_backward", seed=1)
+    save(tmp_path / "b", model=other, optimizer=other_opt)
+    shard = next((tmp_path / "a").glob("*.distcp"))
+    shutil.copyfile(tmp_path / "b" / shard.name, shard)  # same size: only the content tells them apart
+    with pytest.raises(CheckpointError, match=rf"{shard.name} does not hold the content written at commit"):
+        load(tmp_path / "a", model=make_model(3))
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 1 MiB file system, so that DCP's own writes fail for lack of space."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if os.geteuid() != 0 or os.system(f"mount -t tmpfs -o size=1m tmpfs {mount} 2>/dev/null") != 0:
+        pytest.skip("needs permission to mount a 1 MiB tmpfs (root) to fill a real disk")
+    yield mount
+    os.system(f"umount {mount}")
+
+
+def test_a_full_disk_raises_a_checkpoint_error_and_leaves_no_staging_folder(tiny_disk):
+    model = nn.Linear(512, 512)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 512)).sum().backward()
+    opt.step()  # 3 MiB of weights and state on a 1 MiB disk
+    with pytest.raises(CheckpointError, match=r"saving .*ck failed: no space left on .*; the partial save was removed"):
+        save(tiny_disk / "ck", model=model, optimizer=opt)
+    assert list(tiny_disk.iterdir()) == []

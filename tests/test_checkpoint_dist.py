@@ -312,3 +312,65 @@ def test_save_refuses_an_optimizer_that_trains_another_model(tmp_path):
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] .* is not a parameter of the model"):
         save(tmp_path / "ck", model=model, optimizer=opt)
     assert not (tmp_path / "ck.partial").exists() and not (tmp_path / "ck").exists()
+
+
+# -- two jobs saving the same checkpoint name at the same time -------------------------------------------------------
+def _paused_save(name: str, tmp: str, value: float) -> None:
+    """One single-process job: writes its shard, waits for ``<name>.go``, then finishes and commits."""
+    import time
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    torch.set_num_threads(1)
+    tmp_path = Path(tmp)
+    original = FileSystemWriter.write_data
+
+    def write_then_wait(self, plan, planner):
+        written = original(self, plan, planner)
+        written.wait()
+        (tmp_path / f"{name}.written").touch()
+        while not (tmp_path / f"{name}.go").exists():
+            time.sleep(0.05)
+        return written
+
+    FileSystemWriter.write_data = write_then_wait
+    model = nn.Linear(4, 4)
+    with torch.no_grad():
+        model.weight.fill_(value)
+    try:
+        save(tmp_path / "ck", model=model)
+        outcome = "saved"
+    except BaseException as e:  # DCP's CheckpointException is one: report it like any other failure
+        outcome = f"{type(e).__name__}: {e}"
+    (tmp_path / f"{name}.result").write_text(outcome)
+
+
+def _wait_for(path: Path, process) -> None:
+    import time
+
+    deadline = time.monotonic() + 120
+    while not path.exists():
+        assert process.is_alive() and time.monotonic() < deadline, f"{path.name} never appeared"
+        time.sleep(0.05)
+
+
+def test_a_second_job_saving_the_same_name_never_breaks_the_first(tmp_path):
+    ctx = mp.get_context("spawn")
+    first = ctx.Process(target=_paused_save, args=("first", str(tmp_path), 1.0))
+    second = ctx.Process(target=_paused_save, args=("second", str(tmp_path), 2.0))
+    first.start()
+    _wait_for(tmp_path / "first.written", first)
+    second.start()  # stages while the first job is between its write and its commit
+    _wait_for(tmp_path / "second.written", second)
+    (tmp_path / "first.go").touch()
+    first.join(120)
+    (tmp_path / "second.go").touch()
+    second.join(120)
+    outcomes = {n: (tmp_path / f"{n}.result").read_text() for n in ("first", "second")}
+    assert outcomes["first"] == "saved", outcomes
+    model = nn.Linear(4, 4)
+    load(tmp_path / "ck", model=model)
+    assert torch.equal(model.weight, torch.full((4, 4), 1.0)), "the first job's checkpoint holds other weights"
+    # the second job could not commit a name that exists; it says so with our error, not DCP's BaseException
+    assert outcomes["second"].startswith("CheckpointError: saving") and "another save committed" in outcomes["second"]
+    assert not (tmp_path / "ck.partial").exists()

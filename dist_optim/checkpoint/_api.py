@@ -1,172 +1,39 @@
-"""save() and load(): what goes into a checkpoint and how it comes back."""
+"""save() and load(): one request object, every component collected or planned in turn, one DCP write or read."""
 
 from __future__ import annotations
 
-import contextlib
-import random
-import sys
+import errno
+import shutil
 import threading
 import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from .._inputs import is_dtensor
-from . import _storage
+from . import _ranks, _schema, _storage
 from ._codec import dumps
-from ._names import Remap, canonical_names, mismatch_message
+from ._components import COMPONENTS
+from ._names import Remap
+from ._request import LoadRequest, Objects, SaveRequest
+from ._transfer import Snapshot, Source, single_process_is_intended
 
 __all__ = ["save", "load", "LoadResult", "AsyncSave"]
 
 FORMAT = 1
-# How the current optimizer computes, not what it learned: kept from the optimizer being loaded into.
-_IMPLEMENTATION_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
-
-
-# -- helpers ---------------------------------------------------------------------------------------------------
-def _distributed(group: Any) -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-
-
-def _rank(group: Any) -> int:
-    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world(group: Any) -> int:
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-
-
-def _on_rank0(fn: Any, group: Any) -> Any:
-    """Run ``fn`` on rank 0; every rank returns its result or raises its exception."""
-    result: list[Any] = [None, None]
-    if _rank(group) == 0:
-        try:
-            result = [fn(), None]
-        except BaseException as e:  # noqa: BLE001 - re-raised on every rank below
-            result = [None, e]
-    if _distributed(group):
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        dist.broadcast_object_list(result, src=src, group=group)
-    if result[1] is not None:
-        raise result[1]
-    return result[0]
-
-
-@contextlib.contextmanager
-def _single_process_is_intended() -> Iterator[None]:
-    """DCP warns that it assumes a single process when no process group exists: that is what we mean."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
-        yield
-
-
-def _module(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-
-
-def _schedulers(schedulers: Any) -> list[Any]:
-    if schedulers is None:
-        return []
-    return [schedulers] if hasattr(schedulers, "state_dict") else list(schedulers)
-
-
-def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """The checkpoint name of every optimizer parameter, group by group."""
-    names = {id(p): n for n, p in canonical_names(_module(model).named_parameters(), "model").items()}
-    out = []
-    for gi, group in enumerate(optimizer.param_groups):
-        row = []
-        for k, p in enumerate(group["params"]):
-            if id(p) not in names:
-                raise ValueError(
-                    f"optimizer param_groups[{gi}]['params'][{k}] (shape {tuple(p.shape)}) is not a parameter of the "
-                    "model given: checkpoints key optimizer state by the model's parameter names; pass the model "
-                    "the optimizer trains"
-                )
-            row.append(names[id(p)])
-        out.append(row)
-    return out
-
-
-def _rng_tensors() -> dict[str, torch.Tensor]:
-    out = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state()
-    return out
-
-
-def _plain_rng() -> dict[str, Any]:
-    out: dict[str, Any] = {"python": random.getstate()}
-    np = sys.modules.get("numpy")
-    if np is not None:
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
-        out["numpy"] = (name, keys.tolist(), pos, has_gauss, gauss)
-    return out
-
-
-def _set_plain_rng(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np = sys.modules.get("numpy")
-    if np is not None and "numpy" in state:
-        name, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-
-
-# -- save ------------------------------------------------------------------------------------------------------
-def _collect(model, optimizer, schedulers, grad_scaler, averaged_model, extra, step, group):
-    tensors: dict[str, Any] = {}
-    plain: dict[str, Any] = {"format": FORMAT, "step": step, "world_size": _world(group), "extra": extra or {}}
-    for name, t in canonical_names(_module(model).state_dict().items(), "model").items():
-        tensors[f"model/{name}"] = t
-    plain["model"] = sorted(k[len("model/"):] for k in tensors)
-    if optimizer is not None:
-        names = _param_names(model, optimizer)
-        groups, values = [], {}
-        for group_names, g in zip(names, optimizer.param_groups):
-            for name, p in zip(group_names, g["params"]):
-                for key, v in optimizer.state.get(p, {}).items():
-                    if isinstance(v, torch.Tensor) and v.dim() > 0 or is_dtensor(v):
-                        tensors[f"optim/{name}/{key}"] = v
-                    elif isinstance(v, torch.Tensor):
-                        tensors[f"optim/{name}/{key}"] = v.detach().clone()  # scalar ("step"): a snapshot
-                    else:
-                        values.setdefault(name, {})[key] = v
-            groups.append({**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": group_names})
-        plain["optimizer"] = {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
-                              "param_groups": groups, "values": values}
-        if hasattr(optimizer, "_in_backward_state"):  # e.g. the previous norm of clip_mode="previous_norm"
-            plain["optimizer"]["in_backward"] = optimizer._in_backward_state()
-    plain["schedulers"] = [s.state_dict() for s in _schedulers(schedulers)]
-    plain["grad_scaler"] = grad_scaler.state_dict() if grad_scaler is not None else None
-    if averaged_model is not None:
-        for name, t in canonical_names(averaged_model.state_dict().items(), "averaged_model").items():
-            tensors[f"averaged/{name}"] = t
-    rank = _rank(group)
-    for kind, t in _rng_tensors().items():
-        tensors[f"rng/{rank}/{kind}"] = t
-    rng: list[Any] = [_plain_rng()]
-    if _distributed(group):
-        rng = [None] * _world(group)
-        dist.all_gather_object(rng, _plain_rng(), group=group)
-    plain["rng"] = rng
-    return tensors, plain
 
 
 class AsyncSave:
     """A save in flight (``save(..., async_save=True)``): the state was copied before ``save`` returned, so
     training may go on; the checkpoint becomes visible (committed by rank 0) when the upload finishes."""
 
-    def __init__(self, future: Any, on_done: Any, cleanup: Any = None) -> None:
+    def __init__(self, future: Any, on_done: Any, cleanup: Any = None, on_error: Any = None) -> None:
         self._error: BaseException | None = None
         self._done = threading.Event()
         future = getattr(future, "upload_completion", future)
@@ -176,7 +43,7 @@ class AsyncSave:
                 f.result()
                 on_done()
             except BaseException as e:  # noqa: BLE001 - reported by wait()
-                self._error = e
+                self._error = on_error(e) if on_error is not None else e
             finally:
                 if cleanup is not None:
                     cleanup()
@@ -230,36 +97,84 @@ def save(
     visible at ``path`` until every rank has finished and rank 0 has renamed ``<path>.partial`` to ``path``; a
     crash leaves at most a ``.partial`` folder, which :func:`load` refuses and discovery ignores.
     """
-    return _save(Path(path), model, optimizer, schedulers, grad_scaler, averaged_model, extra, step, async_save,
-                 process_group)
+    objects = Objects(model, optimizer, schedulers, grad_scaler, averaged_model)
+    return write(SaveRequest(path, objects, extra, step, async_save, process_group))
 
 
-def _save(path: Path, model, optimizer, schedulers, grad_scaler, averaged_model, extra, step, async_save,
-          process_group, after_commit: Callable[[], Any] | None = None) -> AsyncSave | None:
-    tensors, plain = _collect(model, optimizer, schedulers, grad_scaler, averaged_model, extra, step, process_group)
-    text = dumps(plain)  # refuses what JSON cannot hold before anything is written
-    marker = {"format": FORMAT, "step": step, "world_size": _world(process_group), "time": time.time()}
-    _on_rank0(lambda: _storage.prepare(path), process_group)  # the other ranks wait for it here
+def write(req: SaveRequest) -> AsyncSave | None:
+    """:func:`save` for a request (the manager adds ``after_commit``). Collective."""
+    group = req.process_group
+    snap = Snapshot(plain={"format": FORMAT, "step": req.step, "world_size": _ranks.world(group), "extra": req.extra})
+    for component in COMPONENTS:
+        component.collect(req, snap)
+    text = dumps(snap.plain)  # refuses what JSON cannot hold before anything is written
+    marker = {"format": FORMAT, "step": req.step, "world_size": _ranks.world(group), "time": time.time()}
+    staging = _ranks.on_rank0(lambda: _storage.prepare(req.path), group)  # the other ranks wait for it here
+    rank0 = _ranks.is_rank0(group)
 
     def commit() -> None:  # rank 0; the other ranks do no work after it that rank 0 would wait for
-        _storage.commit(path, text, marker)
-        if after_commit is not None:
-            after_commit()
+        try:
+            _storage.commit(req.path, staging, text, marker)
+        except Exception as e:  # every rank has finished writing: the staging folder is only ours to remove
+            cause = e if isinstance(e, _storage.CheckpointError) else _storage.CheckpointError(
+                f"saving {req.path} failed at commit: {_failure_cause(e, staging)}; the partial save was removed")
+            _storage.remove_staging(staging)
+            raise cause from e
+        if req.after_commit is not None:
+            req.after_commit()
 
-    writer = FileSystemWriter(_storage.partial_path(path))
-    rank0 = _rank(process_group) == 0
-    with _single_process_is_intended():
-        if async_save:
-            # DCP's default stager takes the CPU copy (the writer's own staging copies DTensors twice, 2-5x slower)
-            stager = DefaultStager(StagingOptions(False, False, False, False))
-            future = dcp.async_save(tensors, storage_writer=writer, process_group=process_group, async_stager=stager)
-            return AsyncSave(future, commit if rank0 else lambda: None, stager.close)
-        dcp.save(tensors, storage_writer=writer, process_group=process_group)
-    _on_rank0(commit, process_group)
+    def failed(error: BaseException) -> BaseException:
+        if isinstance(error, _storage.CheckpointError) or not isinstance(error, (Exception, CheckpointException)):
+            return error  # already ours, or an interrupt: a crash leaves the staging folder, as documented
+        if not staging.exists() and req.path.exists():
+            cause = f"another save committed {req.path} while this one was writing (its staging folder is gone)"
+        else:
+            cause = _failure_cause(error, staging)  # before removing: the free space tells a full disk
+        if not isinstance(error, CheckpointException):
+            # a collective failed (a rank was lost): other ranks may still be writing there, as after a crash
+            return _storage.CheckpointError(f"saving {req.path} failed: {cause}; {staging} is left for the next "
+                                            "successful save of this name to remove")
+        if rank0:  # DCP gathered every rank's failure: no rank writes there any more
+            _storage.remove_staging(staging)
+        return _storage.CheckpointError(f"saving {req.path} failed: {cause}; the partial save was removed")
+
+    writer = FileSystemWriter(staging)
+    try:
+        with single_process_is_intended():
+            if req.async_save:
+                # DCP's default stager takes the CPU copy (the writer's own staging copies DTensors twice, 2-5x
+                # slower)
+                stager = DefaultStager(StagingOptions(False, False, False, False))
+                future = dcp.async_save(snap.tensors, storage_writer=writer, process_group=group,
+                                        async_stager=stager)
+                return AsyncSave(future, commit if rank0 else lambda: None, stager.close, failed)
+            dcp.save(snap.tensors, storage_writer=writer, process_group=group)
+        _ranks.on_rank0(commit, group)
+    except (Exception, CheckpointException) as e:
+        raise failed(e) from e
     return None
 
 
-# -- load ------------------------------------------------------------------------------------------------------
+def _failure_cause(error: BaseException, staging: Path) -> str:
+    """The underlying error of a failed write, in words: DCP wraps every rank's exception in a
+    ``CheckpointException`` (a ``BaseException``) whose text for a full disk is torch's ``unexpected pos``."""
+    found = [exc for exc, _ in error.failures.values()] if isinstance(error, CheckpointException) else [error]
+    ranks = list(error.failures) if isinstance(error, CheckpointException) else [None]
+    chain: list[BaseException] = []
+    for exc in found:
+        while exc is not None and exc not in chain:
+            chain.append(exc)
+            exc = exc.__cause__ or exc.__context__
+    try:
+        free = shutil.disk_usage(staging.parent).free
+    except OSError:
+        free = None
+    if any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in chain) or (free is not None and free < 2**20):
+        return f"no space left on the device of {staging.parent} ({free} bytes free)"
+    where = f" on rank {ranks[0]}" if ranks[0] is not None else ""
+    return f"{type(found[0]).__name__}{where}: {found[0]}"
+
+
 @dataclass
 class LoadResult:
     """What :func:`load` restored. ``fresh`` lists the names that were absent from the checkpoint and kept their
@@ -272,55 +187,6 @@ class LoadResult:
     world_size: int
     fresh: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
-
-
-def _tensor_meta(metadata: Any, key: str) -> Any:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    md = metadata.state_dict_metadata.get(key)
-    return md if isinstance(md, TensorStorageMetadata) else None
-
-
-class _Plan:
-    """Source keys -> target tensors for one dcp.load, plus the copies for duplicated sources."""
-
-    def __init__(self, reader: _storage.SafeReader, metadata: Any, where: str) -> None:
-        self.reader, self.metadata, self.where = reader, metadata, where
-        self.load: dict[str, torch.Tensor] = {}
-        self.copies: list[tuple[str, torch.Tensor]] = []
-        self.bad_shapes: list[str] = []
-
-    def add(self, key: str, target: torch.Tensor, label: str) -> None:
-        md = _tensor_meta(self.metadata, key)
-        if md is None:
-            raise _storage.CheckpointError(f"checkpoint {self.where}: {key!r} is not a tensor")
-        if tuple(md.size) != tuple(target.shape):
-            self.bad_shapes.append(f"{label}: checkpoint {tuple(md.size)} vs {tuple(target.shape)} ({key})")
-            return
-        if key in self.load:
-            self.copies.append((key, target))
-        else:
-            self.load[key] = target
-
-    def run(self, process_group: Any) -> None:
-        if self.bad_shapes:
-            raise _storage.CheckpointError(
-                f"checkpoint {self.where}: shapes differ for {len(self.bad_shapes)} tensor(s):\n  "
-                + "\n  ".join(self.bad_shapes)
-            )
-        with _single_process_is_intended():
-            dcp.load(self.load, storage_reader=self.reader,
-                     planner=DefaultLoadPlanner(allow_partial_load=True), process_group=process_group)
-        with torch.no_grad():
-            for key, target in self.copies:
-                target.copy_(self.load[key])
-
-
-def _new_state_tensor(md: Any, p: torch.Tensor) -> torch.Tensor:
-    dtype = md.properties.dtype
-    if tuple(md.size) == tuple(p.shape):
-        return torch.zeros_like(p, dtype=dtype)  # a DTensor param gets a DTensor sharded the same way
-    return torch.zeros(tuple(md.size), dtype=dtype)
 
 
 def load(
@@ -349,115 +215,38 @@ def load(
 
     RNG states are restored per rank when ``restore_rng``: rank ``r`` gets saved rank ``r % saved_world_size``'s.
     """
-    folder = Path(path)
+    objects = Objects(model, optimizer, schedulers, grad_scaler, averaged_model)
+    return read(LoadRequest(path, objects, remap, strict, restore_rng, process_group))
+
+
+def open_source(req: LoadRequest) -> Source:
+    """The checkpoint at ``req.path``, checked as a whole (marker, format, metadata, files) before any component
+    looks at it."""
+    folder = req.path
     if not folder.is_dir():
         hint = " (an unfinished save)" if _storage.partial_path(folder).is_dir() else ""
         raise _storage.CheckpointError(f"no checkpoint folder at {folder}{hint}")
     plain = _storage.read_plain(folder)
-    if plain.get("format") != FORMAT:
-        raise _storage.CheckpointError(f"{folder}: checkpoint format {plain.get('format')!r}, expected {FORMAT}")
+    if not isinstance(plain, dict) or plain.get("format") != FORMAT:
+        found = plain.get("format") if isinstance(plain, dict) else None
+        raise _storage.CheckpointError(f"{folder}: checkpoint format {found!r}, expected {FORMAT}")
     reader = _storage.SafeReader(folder)
     metadata = reader.read_metadata()
     _storage.check_files(folder, metadata)
-    remap = remap or Remap()
-    plan = _Plan(reader, metadata, str(folder))
-    fresh: list[str] = []
-    ignored: list[str] = []
+    # rank 0 reads every file once for the whole job; all ranks read the same folder
+    _ranks.on_rank0(lambda: _storage.verify_hashes(folder), req.process_group)
+    _schema.validate(plain, str(folder))
+    return Source(folder, plain, reader, metadata, req.remap, req.strict)
 
-    def match(targets: Sequence[str], sources: Sequence[str], what: str) -> dict[str, str]:
-        mapping, missing, unexpected = remap.plan(targets, sources)
-        if (missing or unexpected) and strict:
-            raise _storage.CheckpointError(mismatch_message(f"{folder} ({what})", missing, unexpected))
-        fresh.extend(missing + [t for t in targets if t not in mapping and t not in missing])
-        ignored.extend(unexpected + [s for s in sources if remap.is_ignored(s) and s not in mapping.values()])
-        return mapping
 
-    # model
-    targets = canonical_names(_module(model).state_dict().items(), "model")
-    for t, s in match(list(targets), plain["model"], "model").items():
-        plan.add(f"model/{s}", targets[t], t)
-    # averaged model
-    if averaged_model is not None:
-        saved = [k[len("averaged/"):] for k in metadata.state_dict_metadata if k.startswith("averaged/")]
-        if not saved:
-            raise _storage.CheckpointError(f"checkpoint {folder} holds no averaged model (none was saved)")
-        targets = canonical_names(averaged_model.state_dict().items(), "averaged_model")
-        for t, s in match(list(targets), saved, "averaged model").items():
-            plan.add(f"averaged/{s}", targets[t], f"averaged {t}")
-    # optimizer: tensors to load into are created from the metadata (a fresh optimizer has no state yet)
-    optim_state: dict[int, dict[str, Any]] = {}
-    if optimizer is not None:
-        saved_optim = plain.get("optimizer")
-        if saved_optim is None:
-            raise _storage.CheckpointError(f"checkpoint {folder} holds no optimizer state (none was saved)")
-        saved_group_of = {n: gi for gi, g in enumerate(saved_optim["param_groups"]) for n in g["params"]}
-        names = _param_names(model, optimizer)
-        mapping = match([n for row in names for n in row], list(saved_group_of), "optimizer")
-        state_keys: dict[str, list[str]] = {}
-        for key in metadata.state_dict_metadata:
-            if key.startswith("optim/"):
-                name, _, sk = key[len("optim/"):].rpartition("/")
-                state_keys.setdefault(name, []).append(sk)
-        index = 0
-        for row, g in zip(names, optimizer.param_groups):
-            for t, p in zip(row, g["params"]):
-                s = mapping.get(t)
-                if s is not None:
-                    entry: dict[str, Any] = dict(saved_optim["values"].get(s, {}))
-                    for sk in state_keys.get(s, []):
-                        key = f"optim/{s}/{sk}"
-                        md = _tensor_meta(metadata, key)
-                        entry[sk] = _new_state_tensor(md, p)
-                        plan.add(key, entry[sk], f"optimizer state {sk!r} of {t}")
-                    if entry:
-                        optim_state[index] = entry
-                index += 1
-    # rng
-    rank = _rank(process_group)
-    saved_world = int(plain.get("world_size", 1))
-    rng_targets: dict[str, torch.Tensor] = {}
-    if restore_rng:
-        src = rank % saved_world
-        for kind, current in _rng_tensors().items():
-            key = f"rng/{src}/{kind}"
-            if _tensor_meta(metadata, key) is not None:
-                rng_targets[kind] = torch.empty_like(current)
-                plan.add(key, rng_targets[kind], f"rng {kind}")
-    saved_schedulers = plain.get("schedulers", [])
-    schedulers = _schedulers(schedulers)
-    if schedulers and len(schedulers) != len(saved_schedulers):
-        raise _storage.CheckpointError(
-            f"checkpoint {folder} holds {len(saved_schedulers)} scheduler state(s); {len(schedulers)} given"
-        )
-    if grad_scaler is not None and plain.get("grad_scaler") is None:
-        raise _storage.CheckpointError(f"checkpoint {folder} holds no grad scaler state (none was saved)")
-
-    plan.run(process_group)
-
-    if optimizer is not None:
-        groups = []
-        index = 0
-        for row, g in zip(names, optimizer.param_groups):
-            sources = [mapping[t] for t in row if t in mapping]
-            saved = saved_optim["param_groups"][saved_group_of[sources[0]]] if sources else {}
-            hyper = {k: v for k, v in saved.items() if k not in _IMPLEMENTATION_KEYS and k != "params"}
-            new = {**{k: v for k, v in g.items() if k != "params"}, **hyper, "params": list(range(index, index + len(row)))}
-            groups.append(new)
-            index += len(row)
-        optimizer.load_state_dict({"state": optim_state, "param_groups": groups})
-        if hasattr(optimizer, "_load_in_backward_state"):
-            optimizer._load_in_backward_state(saved_optim.get("in_backward") or {})
-    for sched, state in zip(schedulers, saved_schedulers):
-        sched.load_state_dict(state)
-    if grad_scaler is not None:
-        grad_scaler.load_state_dict(plain["grad_scaler"])
-    if restore_rng:
-        if "cpu" in rng_targets:
-            torch.set_rng_state(rng_targets["cpu"])
-        if "cuda" in rng_targets:
-            torch.cuda.set_rng_state(rng_targets["cuda"])
-        rng_plain = plain.get("rng") or []
-        if rng_plain:
-            _set_plain_rng(rng_plain[rank % len(rng_plain)])
-    return LoadResult(folder, plain.get("step"), plain.get("extra") or {}, saved_world,
-                      sorted(set(fresh)), sorted(set(ignored)))
+def read(req: LoadRequest) -> LoadResult:
+    """:func:`load` for a request. Collective."""
+    src = open_source(req)
+    applies = [component.plan(req, src) for component in COMPONENTS]
+    src.transfer(req.process_group)
+    for apply in applies:
+        if apply is not None:
+            apply()
+    plain = src.plain
+    return LoadResult(src.folder, plain.get("step"), plain.get("extra") or {}, int(plain.get("world_size", 1)),
+                      sorted(set(src.fresh)), sorted(set(src.ignored)))

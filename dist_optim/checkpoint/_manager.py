@@ -7,8 +7,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _storage
-from ._api import AsyncSave, LoadResult, _distributed, _on_rank0, _save, load
+from . import _ranks, _storage
+from ._api import AsyncSave, LoadResult, load, write
+from ._request import Objects, SaveRequest
 
 _SAVE_KEYWORDS = frozenset({"model", "optimizer", "schedulers", "grad_scaler", "averaged_model", "extra"})
 
@@ -44,7 +45,7 @@ class CheckpointManager:
         self.async_save = async_save
         self.process_group = process_group
         self._save_group = process_group
-        if async_save and _distributed(process_group):
+        if async_save and _ranks.distributed(process_group):
             # the upload's collectives run on a background thread: they get a group of their own
             ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
             self._save_group = dist.new_group(ranks=ranks, backend="gloo")
@@ -71,13 +72,14 @@ class CheckpointManager:
         if unknown:
             raise TypeError(f"CheckpointManager.save() got unexpected keyword(s) {sorted(unknown)}; it takes "
                             f"{sorted(_SAVE_KEYWORDS)}")
-        objects = {k: objects.get(k) for k in _SAVE_KEYWORDS}
-        if objects["model"] is None:
+        if objects.get("model") is None:
             raise TypeError("CheckpointManager.save() needs model=")
+        extra = objects.pop("extra", None)
         group = self._save_group if self.async_save else self.process_group
         # pruning is part of rank 0's commit, before the other ranks are released
-        self._in_flight = _save(self.path_for(step), step=step, async_save=self.async_save, process_group=group,
-                                after_commit=self._prune, **objects)
+        request = SaveRequest(self.path_for(step), Objects(**objects), extra, step, self.async_save, group,
+                              after_commit=self._prune)
+        self._in_flight = write(request)
 
     def wait(self) -> None:
         """Wait for an async save in flight to be committed (re-raising its error), then prune."""
@@ -94,7 +96,7 @@ class CheckpointManager:
         self.wait()
         if which == "latest":
             # every rank must pick the same folder, even if a save is being committed meanwhile
-            path = _on_rank0(self.latest, self.process_group)
+            path = _ranks.on_rank0(self.latest, self.process_group)
             if path is None:
                 return None
         elif isinstance(which, int):

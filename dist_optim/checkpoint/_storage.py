@@ -1,22 +1,26 @@
 """Checkpoint folders on disk: safe metadata reading, integrity checks, atomic commit, discovery.
 
 A checkpoint is a folder holding DCP's files (``.metadata``, one ``__<rank>_<n>.distcp`` per writer), our plain
-data (``dist_optim.json``) and a commit marker (``COMMITTED``). It is written under ``<name>.partial`` and renamed
-to ``<name>`` by rank 0 once every rank has written (DCP writes ``.metadata`` only after gathering every rank's
-write results) and the marker is on disk: a folder without the ``.partial`` suffix is complete.
-"""
+data (``dist_optim.json``) and a commit marker (``COMMITTED``: sizes and SHA-256 of every file). Each save writes
+into a staging folder of its own, ``<name>.partial/<token>``, and rank 0 renames it to ``<name>`` once every rank
+has written and the marker is on disk; a second job saving the same name never touches the first one's files."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
+import hashlib
 import io
 import json
 import os
 import pickle
 import re
 import shutil
-from pathlib import Path
+import socket
+import time
+import uuid
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -26,6 +30,7 @@ __all__: list[str] = []
 
 PLAIN_FILE = "dist_optim.json"
 MARKER = "COMMITTED"
+OWNER = "OWNER"
 PARTIAL = ".partial"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -87,13 +92,49 @@ def check_files(folder: Path, metadata: Any) -> None:
     need: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    root = folder.resolve()
     for rel, size in sorted(need.items()):
         f = folder / rel
+        if (not isinstance(rel, str) or PurePosixPath(rel).is_absolute() or ".." in PurePosixPath(rel).parts
+                or not f.resolve().is_relative_to(root)):
+            raise CheckpointError(
+                f"{folder / '.metadata'}: storage path {rel!r} points outside the checkpoint folder {folder}; a "
+                "checkpoint only reads its own files (the metadata was edited or written by something else)"
+            )
         if not f.is_file():
             raise CheckpointError(f"{f} is missing: the checkpoint's metadata refers to it")
         have = f.stat().st_size
         if have < size:
             raise CheckpointError(f"{f} is truncated: {have} bytes on disk, the metadata needs {size}")
+
+
+def file_hash(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def read_marker(folder: Path) -> dict[str, Any]:
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{folder / MARKER} cannot be read ({e}); the checkpoint's commit marker is damaged") from e
+    if not isinstance(marker, dict) or not isinstance(marker.get("sha256", {}), dict):
+        raise CheckpointError(f"{folder / MARKER} is not a dist_optim commit marker")
+    return marker
+
+
+def verify_hashes(folder: Path) -> None:
+    """Every file recorded at commit still has its content (a shard copied from another checkpoint of the same
+    size is caught here). Checkpoints committed before hashes were recorded are not checked."""
+    for name, want in sorted(read_marker(folder).get("sha256", {}).items()):
+        f = folder / name
+        if Path(name).name != name or not f.is_file():
+            raise CheckpointError(f"{f} is missing: the commit marker recorded it")
+        if file_hash(f) != want:
+            raise CheckpointError(
+                f"{f} does not hold the content written at commit (SHA-256 differs): it was modified or copied from "
+                "another checkpoint; restore it from the same save or use another checkpoint"
+            )
 
 
 def read_plain(folder: Path) -> dict[str, Any]:
@@ -140,27 +181,62 @@ def partial_path(final: Path) -> Path:
 
 
 def prepare(final: Path) -> Path:
-    """Rank 0, before anyone writes: refuse to overwrite, clear a stale partial folder, create a fresh one."""
+    """Rank 0, before anyone writes: refuse to overwrite, then create this save's own staging folder."""
     if final.exists():
         raise FileExistsError(f"checkpoint {final} already exists; remove it or save under another name/step")
-    tmp = partial_path(final)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    return tmp
+    parent = partial_path(final)
+    parent.mkdir(parents=True, exist_ok=True)
+    staging = parent / uuid.uuid4().hex
+    staging.mkdir()  # exclusive: fails rather than share a folder with another save
+    owner = {"token": staging.name, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+    with open(staging / OWNER, "x") as f:
+        json.dump(owner, f)
+    return staging
 
 
-def commit(final: Path, plain_text: str, marker: dict[str, Any]) -> None:
-    """Rank 0, after every rank has written: plain data, marker, then the rename that makes it visible."""
-    tmp = partial_path(final)
-    if not (tmp / ".metadata").is_file():
-        raise CheckpointError(f"{tmp} has no .metadata after the save: not committing it")
-    write_file(tmp / PLAIN_FILE, plain_text)
-    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-    write_file(tmp / MARKER, json.dumps({**marker, "files": files}, indent=1))
-    _fsync_dir(tmp)
-    os.rename(tmp, final)
+def _owner_token(staging: Path) -> str | None:
+    try:
+        return json.loads((staging / OWNER).read_text()).get("token")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def commit(final: Path, staging: Path, plain_text: str, marker: dict[str, Any]) -> None:
+    """Rank 0, after every rank has written: plain data, marker with the files' hashes, then the rename that makes
+    it visible. Refuses a staging folder that is not this save's, or a name another save committed meanwhile."""
+    if _owner_token(staging) != staging.name:
+        raise CheckpointError(f"{staging} no longer belongs to this save (its owner token is gone): not committing")
+    if not (staging / ".metadata").is_file():
+        raise CheckpointError(f"{staging} has no .metadata after the save: not committing it")
+    write_file(staging / PLAIN_FILE, plain_text)
+    files = [p for p in sorted(staging.iterdir()) if p.is_file()]
+    sizes = {p.name: p.stat().st_size for p in files}
+    hashes = {p.name: file_hash(p) for p in files}
+    write_file(staging / MARKER, json.dumps({**marker, "token": staging.name, "files": sizes, "sha256": hashes},
+                                            indent=1))
+    _fsync_dir(staging)
+    try:
+        if final.exists():
+            raise FileExistsError(errno.EEXIST, "exists")
+        os.rename(staging, final)  # onto a non-empty folder this fails: the first of two racing saves wins
+    except OSError as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(
+            f"checkpoint {final} was committed by another save while this one was writing; this save's files were "
+            "removed. Give concurrent jobs different folders"
+        ) from e
+    # other saves staged under this name can no longer commit; a crashed one's files would stay forever
+    shutil.rmtree(partial_path(final), ignore_errors=True)
     _fsync_dir(final.parent)
+
+
+def remove_staging(staging: Path) -> None:
+    """Rank 0, after a failed save: remove this save's own staging folder (and the parent if it is now empty)."""
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        staging.parent.rmdir()
+    except OSError:
+        pass
 
 
 # -- discovery -------------------------------------------------------------------------------------------------
@@ -171,7 +247,8 @@ def committed(directory: Path) -> list[tuple[int, Path]]:
     found = []
     for p in directory.iterdir():
         m = STEP_DIR.match(p.name)
-        if m and p.is_dir() and (p / MARKER).is_file():
+        # without .metadata a folder is not loadable, whatever its marker says: never "latest", never pruned for
+        if m and p.is_dir() and (p / MARKER).is_file() and (p / ".metadata").is_file():
             found.append((int(m.group(1)), p))
     return sorted(found)
 

@@ -1,0 +1,118 @@
+"""The optimizer's part of a checkpoint: state tensors keyed by parameter name, hyperparameters per group.
+
+Saved from the optimizer's own ``state`` and ``param_groups`` (so a standard ``torch.optim`` optimizer and an
+:class:`~dist_optim.InBackwardOptimizer` write the same thing), and loaded through its ``load_state_dict`` with
+state tensors created from the checkpoint's metadata (a fresh optimizer has no state yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._inputs import is_dtensor
+from ._names import canonical_names
+from ._request import LoadRequest, SaveRequest
+from ._transfer import Snapshot, Source
+
+__all__: list[str] = []
+
+# How the current optimizer computes, not what it learned: kept from the optimizer being loaded into.
+IMPLEMENTATION_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
+# The key of ``state_dict()`` where InBackwardOptimizer keeps the plain data its next step needs (the previous
+# norm of clip_mode="previous_norm"); a standard optimizer's ``load_state_dict`` ignores it.
+IN_BACKWARD_KEY = "in_backward"
+
+
+def param_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """The checkpoint name of every optimizer parameter, group by group."""
+    names = {id(p): n for n, p in canonical_names(module.named_parameters(), "model").items()}
+    out = []
+    for gi, group in enumerate(optimizer.param_groups):
+        row = []
+        for k, p in enumerate(group["params"]):
+            if id(p) not in names:
+                raise ValueError(
+                    f"optimizer param_groups[{gi}]['params'][{k}] (shape {tuple(p.shape)}) is not a parameter of the "
+                    "model given: checkpoints key optimizer state by the model's parameter names; pass the model "
+                    "the optimizer trains"
+                )
+            row.append(names[id(p)])
+        out.append(row)
+    return out
+
+
+def collect(req: SaveRequest, snap: Snapshot) -> None:
+    optimizer = req.objects.optimizer
+    if optimizer is None:
+        return
+    names = param_names(req.objects.module, optimizer)
+    groups, values = [], {}
+    for group_names, g in zip(names, optimizer.param_groups):
+        for name, p in zip(group_names, g["params"]):
+            for key, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 or is_dtensor(v):
+                    snap.tensors[f"optim/{name}/{key}"] = v
+                elif isinstance(v, torch.Tensor):
+                    snap.tensors[f"optim/{name}/{key}"] = v.detach().clone()  # scalar ("step"): a snapshot
+                else:
+                    values.setdefault(name, {})[key] = v
+        groups.append({**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": group_names})
+    saved = {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}", "param_groups": groups,
+             "values": values}
+    in_backward = optimizer.state_dict().get(IN_BACKWARD_KEY)
+    if in_backward:
+        saved[IN_BACKWARD_KEY] = in_backward
+    snap.plain["optimizer"] = saved
+
+
+def _new_state_tensor(md: Any, p: torch.Tensor) -> torch.Tensor:
+    dtype = md.properties.dtype
+    if tuple(md.size) == tuple(p.shape):
+        return torch.zeros_like(p, dtype=dtype)  # a DTensor param gets a DTensor sharded the same way
+    return torch.zeros(tuple(md.size), dtype=dtype)
+
+
+def plan(req: LoadRequest, src: Source) -> Callable[[], None] | None:
+    optimizer = req.objects.optimizer
+    if optimizer is None:
+        return None
+    saved = src.required("optimizer", "optimizer state")
+    saved_group_of = {n: gi for gi, g in enumerate(saved["param_groups"]) for n in g["params"]}
+    names = param_names(req.objects.module, optimizer)
+    mapping = src.match([n for row in names for n in row], list(saved_group_of), "optimizer")
+    state_keys: dict[str, list[str]] = {}
+    for key in src.saved_keys("optim/"):
+        name, _, sk = key.rpartition("/")
+        state_keys.setdefault(name, []).append(sk)
+    state: dict[int, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    index = 0
+    for row, g in zip(names, optimizer.param_groups):
+        sources = [mapping[t] for t in row if t in mapping]
+        for t, p in zip(row, g["params"]):
+            s = mapping.get(t)
+            if s is not None:
+                entry: dict[str, Any] = dict(saved["values"].get(s, {}))
+                for sk in state_keys.get(s, []):
+                    key = f"optim/{s}/{sk}"
+                    entry[sk] = _new_state_tensor(src.tensor_meta(key), p)
+                    src.read_into(key, entry[sk], f"optimizer state {sk!r} of {t}")
+                if entry:
+                    state[index] = entry
+            index += 1
+        saved_group = saved["param_groups"][saved_group_of[sources[0]]] if sources else {}
+        hyper = {k: v for k, v in saved_group.items() if k not in IMPLEMENTATION_KEYS and k != "params"}
+        start = index - len(row)
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, **hyper, "params": list(range(start, index))})
+    state_dict: dict[str, Any] = {"state": state, "param_groups": groups}
+    if saved.get(IN_BACKWARD_KEY):
+        state_dict[IN_BACKWARD_KEY] = saved[IN_BACKWARD_KEY]
+
+    def apply() -> None:
+        optimizer.load_state_dict(state_dict)
+
+    return apply
