@@ -1,22 +1,23 @@
 """Train a small byte-level GPT on the Python stdlib's own sources, with the AdamW step inside the backward pass.
 
-The launch manual (run from the repository root, after ``pip install -e .``; every flag: ``--help``):
+The launch manual (run from the repository root, after ``pip install -e '.[job]'``; every flag:
+``python -m launch.train --help``):
 
 One process (no process group; ``--parallel none``)::
 
-    python launch/train.py --steps 50
+    python -m launch.train --steps 50
 
 One machine, two processes (FSDP2 by default: ``fully_shard`` on each block, then the root; gloo on CPU, NCCL
 with one GPU per process when CUDA is present)::
 
-    torchrun --standalone --nproc-per-node 2 launch/train.py --steps 50
-    torchrun --standalone --nproc-per-node 2 launch/train.py --steps 50 --parallel ddp
+    torchrun --standalone --nproc-per-node 2 -m launch.train --steps 50
+    torchrun --standalone --nproc-per-node 2 -m launch.train --steps 50 --parallel ddp
 
 Two machines (run the same command on both, HOST:PORT being the first machine's address and a free port;
 ``--rdzv-id`` names the job)::
 
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id gpt \\
-        launch/train.py --steps 50
+        -m launch.train --steps 50
 
 To let torchrun restart the job after a failure (``--max-restarts N`` with ``--resume latest``), also set
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` on every machine: with torch's default, restarted workers reuse the
@@ -48,19 +49,19 @@ import pathlib
 import statistics
 import sys
 
-from corpus import Corpus
-from runtime import LaunchError, resolve_parallel, start, stop
-from train_config import TrainConfig, parse_config
+from dist_optim.checkpoint import CheckpointManager
+
+from .compare import compare
+from .corpus import Corpus
+from .run_log import RunLog
+from .runtime import LaunchError, resolve_parallel, start, stop
+from .train_config import TrainConfig, parse_config
+from .train_loop import Job
 
 log = logging.getLogger("train")
 
 
 def train(cfg: TrainConfig, rt, parallel: str, corpus: Corpus) -> None:
-    from run_log import RunLog
-    from train_loop import Job
-
-    from dist_optim.checkpoint import CheckpointManager
-
     job = Job(cfg, rt, corpus, parallel, cfg.optimizer_mode)
     checkpoints = CheckpointManager(pathlib.Path(cfg.run_dir) / "checkpoints", keep_last=cfg.keep_checkpoints)
     first = 0
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rt = start(cfg.device, cfg.threads)
     except LaunchError as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
+        print(f"launch.train: error: {e}", file=sys.stderr)
         return 2
     if not rt.is_main:
         logging.getLogger().setLevel(logging.WARNING)
@@ -113,14 +114,12 @@ def main(argv: list[str] | None = None) -> int:
             pathlib.Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
             (pathlib.Path(cfg.run_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
         if cfg.compare:
-            from compare import compare
-
             compare(cfg, rt, parallel, corpus)
         else:
             train(cfg, rt, parallel, corpus)
     except LaunchError as e:
         if rt.is_main:
-            print(f"train.py: error: {e}", file=sys.stderr)
+            print(f"launch.train: error: {e}", file=sys.stderr)
         return 2
     finally:
         stop(rt)

@@ -136,7 +136,7 @@ class _OneLineErrors(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineErrors(
-        prog="train.py",
+        prog="launch.train",
         description="Train a small byte-level GPT on the Python stdlib sources, with the optimizer step in backward.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 import dist_optim
-from corpus import VOCAB_SIZE, Corpus
-from gpt import from_config, loss_fn
-from runtime import LaunchError, Runtime, sync_context, wrap
-from train_config import TrainConfig
+
+from .corpus import VOCAB_SIZE, Corpus
+from .gpt import from_config, loss_fn
+from .runtime import LaunchError, Runtime, sync_context, wrap
+from .train_config import TrainConfig
 
 __all__ = ["Job", "StepResult"]
 

@@ -1,4 +1,4 @@
-"""launch/train.py, the project's main job: its command line, and real runs (one process and two torchrun gloo
+"""launch.train, the project's main job: its command line, and real runs (one process and two torchrun gloo
 ranks under FSDP2 and DDP) checked against the standard loop and against an uninterrupted run."""
 
 from __future__ import annotations
@@ -12,27 +12,26 @@ import sys
 
 import pytest
 
+from launch import train
+from launch.train_config import TrainConfig, parse_config
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TRAIN = str(ROOT / "launch" / "train.py")
+TRAIN = ["-m", "launch.train"]  # run from the repository root, as the README does
 TORCHRUN = str(pathlib.Path(sys.executable).with_name("torchrun"))
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "8",
         "--corpus-mb", "0.25", "--steps", "6", "--warmup-steps", "2", "--threads", "1", "--log-every", "100"]
 
-sys.path.insert(0, str(ROOT / "launch"))
-import train  # noqa: E402
-from train_config import TrainConfig, parse_config  # noqa: E402
 
-
-def _run(cmd: list[str], cwd: pathlib.Path, expect: int = 0) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], expect: int = 0) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=240, env=env)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == expect, f"{' '.join(cmd)}\nrc {out.returncode}\n{out.stdout}\n{out.stderr[-4000:]}"
     return out
 
 
 def _train(tmp: pathlib.Path, run: str, *args: str, nproc: int = 1, expect: int = 0) -> subprocess.CompletedProcess:
     launcher = [sys.executable] if nproc == 1 else [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc)]
-    return _run([*launcher, TRAIN, *TINY, "--run-dir", str(tmp / run), *args], tmp, expect)
+    return _run([*launcher, *TRAIN, *TINY, "--run-dir", str(tmp / run), *args], expect)
 
 
 def _losses(tmp: pathlib.Path, run: str) -> list[float]:
@@ -49,12 +48,12 @@ def test_help_documents_every_flag(capsys):
     out = capsys.readouterr().out
     for name, f in TrainConfig.__dataclass_fields__.items():
         assert "--" + name.replace("_", "-") in out and f.metadata["help"], name
-    assert "torchrun --standalone --nproc-per-node 2 launch/train.py" in train.__doc__
+    assert "torchrun --standalone --nproc-per-node 2 -m launch.train" in train.__doc__
 
 
-def test_bad_flag_is_one_line_and_exit_code_2(tmp_path):
-    err = _run([sys.executable, TRAIN, "--no-such-flag"], tmp_path, expect=2).stderr
-    assert err.strip().splitlines() == ["train.py: error: unrecognized arguments: --no-such-flag (see --help)"]
+def test_bad_flag_is_one_line_and_exit_code_2():
+    err = _run([sys.executable, *TRAIN, "--no-such-flag"], expect=2).stderr
+    assert err.strip().splitlines() == ["launch.train: error: unrecognized arguments: --no-such-flag (see --help)"]
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -82,7 +81,8 @@ def test_refused_settings_are_one_line_errors(tmp_path, capsys):
     assert train.main([*TINY, *run, "--batch-size", "7", "--accumulation-steps", "2"]) == 2
     assert "batch_size must be a multiple of world size x accumulation_steps = 1 x 2, got 7" in capsys.readouterr().err
     assert train.main([*TINY, *run, "--parallel", "ddp"]) == 2
-    assert capsys.readouterr().err.strip() == "train.py: error: --parallel ddp needs a process group: launch with torchrun"
+    err = capsys.readouterr().err.strip()
+    assert err == "launch.train: error: --parallel ddp needs a process group: launch with torchrun"
 
 
 # -- one process --------------------------------------------------------------------------------------------------
