@@ -64,7 +64,9 @@ def test_bad_flag_is_one_line_and_exit_code_2():
     (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
     (["--parallel", "fsdp1"], "argument --parallel: invalid choice: 'fsdp1'"),
     (["--n-embd", "30", "--n-head", "4"], "n_embd must be a multiple of n_head, got 30 and 4"),
-    (["--max-grad-norm", "-1"], "max_grad_norm must be > 0 (or none), got -1.0"),
+    (["--max-grad-norm", "-1"], "max_grad_norm must be > 0 and finite (or none), got -1.0"),
+    (["--lr", "inf"], "lr must be > 0 and finite, got inf"),
+    (["--beta2", "1"], "beta1 and beta2 must be in [0, 1), got 0.9 and 1.0"),
 ])
 def test_bad_value_is_one_line_and_exit_code_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
