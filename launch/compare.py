@@ -21,10 +21,9 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from png_plot import plot_panels
-from runtime import Runtime
-from train_config import TrainConfig
-from train_loop import Job
+from .runtime import Runtime
+from .train_config import TrainConfig
+from .train_loop import Job
 
 __all__ = ["compare"]
 
@@ -104,7 +103,7 @@ def compare(cfg: TrainConfig, rt: Runtime, parallel: str, corpus) -> dict[str, A
     if rt.is_main:
         out = pathlib.Path(cfg.run_dir) / "compare"
         out.mkdir(parents=True, exist_ok=True)
-        report["plot_backend"] = plot_panels(str(out / "compare.png"), _panels(results, memory, report))
+        _plot(out / "compare.png", _panels(results, memory, report))
         (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
         (out / "report.md").write_text(_markdown(report))
         log.info("%s", _summary(report))
@@ -191,3 +190,22 @@ def _panels(results, memory, report) -> list[dict[str, Any]]:
               [t * 1e3 for t, _ in memory[m]["timeline"]], [b / MiB for _, b in memory[m]["timeline"]])
              for m in MODES]},
     ]
+
+
+def _plot(path: pathlib.Path, panels: list[dict[str, Any]]) -> None:
+    """The panels side by side in one PNG (matplotlib's Agg backend: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for label, xs, ys in panel["series"]:
+            ax.plot(xs, ys, label=label)
+        ax.set(title=panel["title"], xlabel=panel["xlabel"], ylabel=panel["ylabel"])
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -6,7 +6,7 @@ NPROC=${NPROC:-2}
 STEPS=${STEPS:-30}
 PARALLEL=${PARALLEL:-auto}
 RUN_DIR=${RUN_DIR:-runs/compare}
-cmd=(torchrun --standalone --nproc-per-node "$NPROC" launch/train.py --compare --steps "$STEPS"
+cmd=(torchrun --standalone --nproc-per-node "$NPROC" -m launch.train --compare --steps "$STEPS"
      --parallel "$PARALLEL" --run-dir "$RUN_DIR" "$@")
 echo "+ ${cmd[*]}"
 exec "${cmd[@]}"

@@ -13,6 +13,8 @@ import sysconfig
 
 import torch
 
+from .runtime import LaunchError
+
 __all__ = ["VOCAB_SIZE", "Corpus"]
 
 VOCAB_SIZE = 256
@@ -51,7 +53,8 @@ class Corpus:
     def __init__(self, cap_mb: float, block_size: int, seed: int) -> None:
         text = stdlib_sources(int(cap_mb * 2**20))
         if len(text) <= block_size + 1:
-            raise ValueError(f"the corpus has {len(text)} bytes, fewer than block_size + 2 = {block_size + 2}")
+            raise LaunchError(f"block_size + 2 = {block_size + 2} bytes must fit in the corpus, which has {len(text)} "
+                              f"(--corpus-mb {cap_mb}): lower --block-size or raise --corpus-mb")
         self.tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         self.block_size = block_size
         self.seed = seed

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Two (or NNODES) machines: run this on every machine with the same MASTER=host:port (the first machine's address
-# and a free port) and JOB_ID. Extra arguments go to launch/train.py.
+# and a free port) and JOB_ID. Extra arguments go to launch.train.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NNODES=${NNODES:-2}
@@ -11,6 +11,6 @@ STEPS=${STEPS:-200}
 # restarts (--max-restarts) need a fresh rendezvous store per round (pytorch/pytorch#135712)
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 cmd=(torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC" --rdzv-backend c10d --rdzv-endpoint "$MASTER"
-     --rdzv-id "$JOB_ID" launch/train.py --steps "$STEPS" "$@")
+     --rdzv-id "$JOB_ID" -m launch.train --steps "$STEPS" "$@")
 echo "+ ${cmd[*]}"
 exec "${cmd[@]}"

@@ -10,13 +10,15 @@ import contextlib
 import datetime
 import gc
 import os
+import signal
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Runtime", "start", "stop", "wrap"]
+__all__ = ["LaunchError", "Runtime", "TermSignal", "start", "stop", "wrap"]
 
 
 class LaunchError(ValueError):
@@ -50,6 +52,34 @@ class Runtime:
             dist.all_reduce(value)
             value /= self.world
         return value
+
+
+class TermSignal:
+    """Notes SIGTERM, which schedulers send some seconds before they kill a job, so that the run stops at a step
+    boundary instead of dying mid-step. Use as a context manager (main thread); the previous handler comes back."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous: Any = None
+
+    def __enter__(self) -> TermSignal:
+        self._previous = signal.signal(signal.SIGTERM, self._note)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.received = True
+
+    def agreed(self, rt: Runtime) -> bool:
+        """Whether any rank has received SIGTERM: the signal reaches ranks at different steps (or only some of
+        them), so every rank stops after the same step. Collective: call on every rank at the same step."""
+        if not rt.distributed:
+            return self.received
+        flag = torch.tensor(int(self.received), device=rt.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
 
 def start(device: str, threads: int) -> Runtime:

@@ -1,22 +1,23 @@
 """Train a small byte-level GPT on the Python stdlib's own sources, with the AdamW step inside the backward pass.
 
-The launch manual (run from the repository root, after ``pip install -e .``; every flag: ``--help``):
+The launch manual (run from the repository root, after ``pip install -e '.[job]'``; every flag:
+``python -m launch.train --help``):
 
 One process (no process group; ``--parallel none``)::
 
-    python launch/train.py --steps 50
+    python -m launch.train --steps 50
 
 One machine, two processes (FSDP2 by default: ``fully_shard`` on each block, then the root; gloo on CPU, NCCL
 with one GPU per process when CUDA is present)::
 
-    torchrun --standalone --nproc-per-node 2 launch/train.py --steps 50
-    torchrun --standalone --nproc-per-node 2 launch/train.py --steps 50 --parallel ddp
+    torchrun --standalone --nproc-per-node 2 -m launch.train --steps 50
+    torchrun --standalone --nproc-per-node 2 -m launch.train --steps 50 --parallel ddp
 
 Two machines (run the same command on both, HOST:PORT being the first machine's address and a free port;
 ``--rdzv-id`` names the job)::
 
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id gpt \\
-        launch/train.py --steps 50
+        -m launch.train --steps 50
 
 To let torchrun restart the job after a failure (``--max-restarts N`` with ``--resume latest``), also set
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` on every machine: with torch's default, restarted workers reuse the
@@ -33,95 +34,136 @@ Options that change the training loop:
   holds the step's gradients until backward ends and so gives up the memory saving.
 - ``--checkpoint-every N`` and ``--resume latest`` (or a checkpoint path, or a step number): checkpoints go to
   RUN_DIR/checkpoints and resume on any number of processes; a resumed run gives the losses of an uninterrupted one.
+  A resume keeps the model's shape (changing ``--n-embd`` etc. is refused) and applies every other option given
+  (``--lr``, the schedule, clipping, batches), logging what changed. A fresh run into a directory that holds
+  checkpoints is refused, as is a resume from a checkpoint older than the directory's latest: ``--overwrite``
+  deletes the checkpoints such a run would write over.
+- SIGTERM (what a scheduler sends before it kills a job): every rank stops after the same step, saves a checkpoint
+  and exits with code 0; ``--resume latest`` continues exactly.
 - ``--compare``: train the job with both loops, step by step, and write RUN_DIR/compare/report.md, report.json and
   compare.png (loss curves, their max difference, step times, per-rank peak memory and one step's memory timeline).
 
 Output: a progress line per step on rank 0, RUN_DIR/metrics.jsonl (one JSON object per step), TensorBoard events in
-RUN_DIR/tensorboard when TensorBoard is installed.
+RUN_DIR/tensorboard when TensorBoard is installed, RUN_DIR/config.json (the options in effect). Exit codes: 0 done
+(or stopped by SIGTERM), 2 a refused flag or setting (a one-line error), 1 a loss that turned NaN or infinite.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import pathlib
 import statistics
 import sys
 
-from corpus import Corpus
-from runtime import LaunchError, resolve_parallel, start, stop
-from train_config import TrainConfig, parse_config
+from dist_optim.checkpoint import CheckpointError, CheckpointManager
+
+from .compare import compare
+from .corpus import Corpus
+from .run_log import RunLog
+from .run_dir import plan_run, write_config
+from .runtime import LaunchError, Runtime, TermSignal, resolve_parallel, start, stop
+from .train_config import TrainConfig, parse_config
+from .train_loop import Job
 
 log = logging.getLogger("train")
 
 
-def train(cfg: TrainConfig, rt, parallel: str, corpus: Corpus) -> None:
-    from run_log import RunLog
-    from train_loop import Job
+class Diverged(RuntimeError):
+    """The loss turned non-finite: training on would only spread NaNs into the next checkpoint."""
 
-    from dist_optim.checkpoint import CheckpointManager
 
-    job = Job(cfg, rt, corpus, parallel, cfg.optimizer_mode)
+def train(cfg: TrainConfig, rt: Runtime, parallel: str, corpus: Corpus) -> None:
+    """Train (or resume) the run in ``cfg.run_dir``; stops after the step all ranks agree on when SIGTERM arrives,
+    with a checkpoint. Collective."""
     checkpoints = CheckpointManager(pathlib.Path(cfg.run_dir) / "checkpoints", keep_last=cfg.keep_checkpoints)
+    plan = plan_run(cfg, rt, checkpoints)  # before anything in the run directory is written
+    job = Job(cfg, rt, corpus, parallel, cfg.optimizer_mode)
     first = 0
-    if cfg.resume is not None:
-        which = int(cfg.resume) if cfg.resume.isdigit() else cfg.resume
-        found = checkpoints.load(which, model=job.model, optimizer=job.opt, schedulers=[job.sched])
-        if found is None:
-            log.info("no checkpoint in %s: starting fresh", checkpoints.directory)
-        else:
-            first = found.step + 1
-            if cfg.max_grad_norm is not None and cfg.clip_mode == "previous_norm":
-                log.warning("clip_mode previous_norm: the previous step's norm is not in the checkpoint, so step %d "
-                            "is not clipped (an uninterrupted run would clip it)", first)
-            log.info("resumed from %s (step %d, saved by %d process(es))", found.path, found.step, found.world_size)
+    if cfg.resume is not None and plan.resume_from is None:
+        log.info("no checkpoint in %s: starting fresh", checkpoints.directory)
+    elif plan.resume_from is not None:
+        try:
+            found = checkpoints.load(plan.resume_from, model=job.model, optimizer=job.opt, schedulers=[job.sched])
+        except CheckpointError as e:
+            raise LaunchError(f"cannot resume from {plan.resume_from}: {e}") from e
+        job.apply_options()
+        job.load_extra_state(found.extra)
+        first = found.step + 1
+        log.info("resumed from %s (step %d, saved by %d process(es))", found.path, found.step, found.world_size)
+        if plan.changed and rt.is_main:
+            log.info("options changed since the checkpoint, in effect from step %d: %s", first,
+                     ", ".join(plan.changed))
+    if rt.is_main:
+        write_config(cfg)
     last = cfg.steps - 1 if cfg.stop_after is None else min(cfg.steps - 1, cfg.stop_after)
     if rt.is_main:
         log.info("%s, %d process(es), %s, %s mode, %.2fM parameters, steps %d to %d of %d", cfg.run_dir,
                  rt.world, parallel, cfg.optimizer_mode, job.n_params / 1e6, first, last, cfg.steps)
     run_log = RunLog(cfg.run_dir, rt.is_main, cfg.log_every, resume_step=first - 1 if cfg.resume else None)
     done = []
-    for step in range(first, last + 1):
-        done.append(job.step(step))
-        run_log.record(done[-1])
-        if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step == last):
-            checkpoints.save(step, model=job.model, optimizer=job.opt, schedulers=[job.sched],
-                             extra={"parallel": parallel, "optimizer_mode": cfg.optimizer_mode})
-    run_log.close()
+    try:
+        with TermSignal() as term:
+            for step in range(first, last + 1):
+                done.append(job.step(step))
+                run_log.record(done[-1])
+                if not math.isfinite(done[-1].loss):  # the same mean loss on every rank: all stop here
+                    raise Diverged(
+                        f"the loss is {done[-1].loss} at step {step} (lr {done[-1].lr:.3g}): the run diverged; lower "
+                        f"--lr or clip with --max-grad-norm (the last checkpoint, if any, is from before)")
+                stopping = step < last and term.agreed(rt)
+                if stopping or (cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step == last)):
+                    checkpoints.save(step, model=job.model, optimizer=job.opt, schedulers=[job.sched],
+                                     extra={"parallel": parallel, "optimizer_mode": cfg.optimizer_mode,
+                                            **job.extra_state()})
+                if stopping:
+                    if rt.is_main:
+                        log.warning("SIGTERM: stopped after step %d with a checkpoint; continue with --resume latest",
+                                    step)
+                    break
+    finally:
+        run_log.close()
     if done and rt.is_main:
         speed = statistics.median(r.tokens / r.seconds for r in done)
-        log.info("done: steps %d to %d, loss %.4f -> %.4f, median %.0f tokens/s; metrics in %s", first, last,
-                 done[0].loss, done[-1].loss, speed, run_log.path)
+        log.info("done: steps %d to %d, loss %.4f -> %.4f, median %.0f tokens/s; metrics in %s", first,
+                 done[-1].step, done[0].loss, done[-1].loss, speed, run_log.path)
+
+
+def _error(rt: Runtime | None, message: str) -> None:
+    if rt is None or rt.is_main:
+        print(f"launch.train: error: {message}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done (or stopped by SIGTERM with a checkpoint), 2 a refused setting (one line), 1 a diverged
+    run."""
     cfg = parse_config(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         rt = start(cfg.device, cfg.threads)
     except LaunchError as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
+        _error(None, str(e))
         return 2
     if not rt.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     try:
         parallel = resolve_parallel(cfg.parallel, rt)
-        if cfg.compare and (cfg.resume or cfg.checkpoint_every):
-            raise LaunchError("--compare trains two jobs from scratch: drop --resume and --checkpoint-every")
+        if cfg.compare and (cfg.resume or cfg.checkpoint_every or cfg.overwrite):
+            raise LaunchError("--compare trains two jobs from scratch: drop --resume, --checkpoint-every and "
+                              "--overwrite")
         corpus = Corpus(cfg.corpus_mb, cfg.block_size, cfg.seed)
-        if rt.is_main:
-            pathlib.Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-            (pathlib.Path(cfg.run_dir) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
         if cfg.compare:
-            from compare import compare
-
+            if rt.is_main:
+                write_config(cfg)
             compare(cfg, rt, parallel, corpus)
         else:
             train(cfg, rt, parallel, corpus)
     except LaunchError as e:
-        if rt.is_main:
-            print(f"train.py: error: {e}", file=sys.stderr)
+        _error(rt, str(e))
         return 2
+    except Diverged as e:
+        _error(rt, str(e))
+        return 1
     finally:
         stop(rt)
     return 0

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TrainConfig", "parse_config"]
+__all__ = ["MODEL_SHAPE", "PROCESS_OPTIONS", "TrainConfig", "parse_config"]
+
+# the options a checkpoint's tensors are shaped by: a resumed run cannot change them
+MODEL_SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "tie_weights")
+# options of one process run, not of the training: a resume may change them without notice
+PROCESS_OPTIONS = ("stop_after", "device", "threads", "parallel", "run_dir", "log_every", "checkpoint_every",
+                   "keep_checkpoints", "resume", "overwrite", "compare", "profile_step")
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -68,7 +75,13 @@ class TrainConfig:
     checkpoint_every: int = _opt(0, "save a checkpoint every N steps (0: never); also at the last step when > 0")
     keep_checkpoints: int = _opt(3, "checkpoints kept on disk (the oldest are deleted)")
     resume: str | None = _opt(None, "'latest' (the newest checkpoint in RUN_DIR/checkpoints, or a fresh start), "
-                                    "a checkpoint directory, or a step number")
+                                    "a checkpoint directory, or a step number. The model's shape (--n-layer, "
+                                    "--n-head, --n-embd, --block-size, --tie-weights) must be the run's; every other "
+                                    "option given (--lr, the schedule, clipping, batches...) takes effect from the "
+                                    "resumed step")
+    overwrite: bool = _opt(False, "delete the checkpoints this run would write over: all of RUN_DIR's for a fresh "
+                                  "run (without it, a fresh run into a directory holding checkpoints is refused), "
+                                  "those after the resumed step with --resume")
     # comparison
     compare: bool = _opt(False, "train the same job with the standard loop and in backward, interleaved step by "
                                 "step, and write RUN_DIR/compare/report.{md,json} and compare.png")
@@ -80,16 +93,19 @@ class TrainConfig:
             (self.n_head >= 1 and self.n_embd % self.n_head == 0,
              f"n_embd must be a multiple of n_head, got {self.n_embd} and {self.n_head}"),
             (self.block_size >= 2, f"block_size must be >= 2, got {self.block_size!r}"),
-            (self.corpus_mb > 0, f"corpus_mb must be > 0, got {self.corpus_mb!r}"),
+            (0 < self.corpus_mb < math.inf, f"corpus_mb must be > 0 and finite, got {self.corpus_mb!r}"),
             (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size!r}"),
             (self.accumulation_steps >= 1, f"accumulation_steps must be >= 1, got {self.accumulation_steps!r}"),
             (self.steps >= 1, f"steps must be >= 1, got {self.steps!r}"),
-            (self.lr > 0, f"lr must be > 0, got {self.lr!r}"),
+            (0 < self.lr < math.inf, f"lr must be > 0 and finite, got {self.lr!r}"),
             (0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}"),
             (self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps!r}"),
-            (self.max_grad_norm is None or self.max_grad_norm > 0,
-             f"max_grad_norm must be > 0 (or none), got {self.max_grad_norm!r}"),
-            (self.bucket_cap_mb > 0, f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}"),
+            (self.max_grad_norm is None or 0 < self.max_grad_norm < math.inf,
+             f"max_grad_norm must be > 0 and finite (or none), got {self.max_grad_norm!r}"),
+            (0 <= self.weight_decay < math.inf, f"weight_decay must be >= 0 and finite, got {self.weight_decay!r}"),
+            (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
+             f"beta1 and beta2 must be in [0, 1), got {self.beta1!r} and {self.beta2!r}"),
+            (0 < self.bucket_cap_mb < math.inf, f"bucket_cap_mb must be > 0 and finite, got {self.bucket_cap_mb!r}"),
             (self.threads >= 0, f"threads must be >= 0, got {self.threads!r}"),
             (self.log_every >= 1, f"log_every must be >= 1, got {self.log_every!r}"),
             (self.checkpoint_every >= 0, f"checkpoint_every must be >= 0, got {self.checkpoint_every!r}"),
@@ -136,7 +152,7 @@ class _OneLineErrors(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineErrors(
-        prog="train.py",
+        prog="launch.train",
         description="Train a small byte-level GPT on the Python stdlib sources, with the optimizer step in backward.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

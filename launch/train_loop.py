@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 import dist_optim
-from corpus import VOCAB_SIZE, Corpus
-from gpt import from_config, loss_fn
-from runtime import LaunchError, Runtime, sync_context, wrap
-from train_config import TrainConfig
+
+from .corpus import VOCAB_SIZE, Corpus
+from .gpt import from_config, loss_fn
+from .runtime import LaunchError, Runtime, sync_context, wrap
+from .train_config import TrainConfig
 
 __all__ = ["Job", "StepResult"]
 
@@ -83,6 +84,28 @@ class Job:
                                         min_ratio=cfg.min_lr_ratio)
         )
         self._previous_norm: torch.Tensor | None = None
+
+    def apply_options(self) -> None:
+        """After a resume: the optimizer's hyperparameters from this run's options, not the checkpoint's (a load
+        restores ``lr``, ``betas``, ``weight_decay`` and the scheduler's ``base_lrs`` as they were saved); the lr of
+        the resumed step as LambdaLR computes it. Unchanged options give the same values, bit for bit."""
+        cfg = self.cfg
+        self.sched.base_lrs = [cfg.lr for _ in self.opt.param_groups]
+        for group, fn in zip(self.opt.param_groups, self.sched.lr_lambdas):
+            group.update(initial_lr=cfg.lr, lr=cfg.lr * fn(self.sched.last_epoch), betas=(cfg.beta1, cfg.beta2),
+                         weight_decay=cfg.weight_decay)
+
+    def extra_state(self) -> dict:
+        """What a checkpoint needs besides the model, optimizer and schedule: the standard loop's previous gradient
+        norm (``--clip-mode previous_norm``; the in-backward optimizer keeps its own in its state)."""
+        norm = self._previous_norm
+        return {"previous_norm": None if norm is None else _full(norm).item()}
+
+    def load_extra_state(self, extra: dict) -> None:
+        value = extra.get("previous_norm")
+        if self.mode == "standard" and value is not None:
+            # a float32 norm round trips through a Python float exactly
+            self._previous_norm = torch.tensor(value, dtype=torch.float32, device=self.rt.device)
 
     def step(self, step: int) -> StepResult:
         """One optimizer step: every micro-batch of global batch ``step``, then the step (in backward, or after)."""

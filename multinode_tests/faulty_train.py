@@ -1,5 +1,6 @@
-"""launch/train.py with faults injected through environment variables: torchrun runs this file in place of
-train.py, so the tests can break a job at a chosen point without launch/ knowing about them.
+"""launch.train with faults injected through environment variables: torchrun runs this module
+(``-m multinode_tests.faulty_train``) in place of ``launch.train``, so the tests can break a job at a chosen point
+without launch/ knowing about them.
 
 - ``MULTINODE_STEP_DELAY=SECONDS``: sleep before every step of a run that starts with no committed checkpoint,
   which leaves a test time to kill processes between two checkpoints; a resumed run goes at full speed. (Not
@@ -13,17 +14,14 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import runpy
 import signal
 import sys
 import time
 
-LAUNCH = pathlib.Path(__file__).resolve().parents[1] / "launch"
+from launch import train, train_loop
 
 
 def _slow_steps(delay: float) -> None:
-    import train_loop
-
     step = train_loop.Job.step
 
     def slow_step(self, i):
@@ -55,15 +53,13 @@ def _fresh_start(argv: list[str]) -> bool:
     return not any((run_dir / "checkpoints").glob("step_*/COMMITTED"))
 
 
-def main() -> None:
-    sys.path.insert(0, str(LAUNCH))  # what `python launch/train.py` puts first on the path
+def main() -> int:
     if os.environ.get("MULTINODE_STEP_DELAY") and _fresh_start(sys.argv[1:]):
         _slow_steps(float(os.environ["MULTINODE_STEP_DELAY"]))
     if os.environ.get("MULTINODE_KILL_RANK") == os.environ.get("RANK", "0"):
         _die_while_saving(int(os.environ["MULTINODE_KILL_RANK"]), int(os.environ["MULTINODE_KILL_SAVE_STEP"]))
-    sys.argv = [str(LAUNCH / "train.py"), *sys.argv[1:]]
-    runpy.run_path(sys.argv[0], run_name="__main__")  # train.py ends with sys.exit(main())
+    return train.main(sys.argv[1:])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -19,9 +19,12 @@ import time
 
 import torch
 
+from launch.corpus import VOCAB_SIZE
+from launch.gpt import from_config
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TRAIN = ROOT / "launch" / "train.py"
-FAULTY_TRAIN = pathlib.Path(__file__).with_name("faulty_train.py")
+TRAIN = "launch.train"  # modules torchrun runs (``-m``) from the repository root
+FAULTY_TRAIN = "multinode_tests.faulty_train"
 STEPS = 8
 # a tiny model, few steps: 4 ranks on 2 cores; a checkpoint after steps 1, 3, 5, 7, all kept
 TRAIN_ARGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "8",
@@ -105,11 +108,11 @@ class Agent:
     ``<log_dir>/<name>/``."""
 
     def __init__(self, name: str, torchrun_args: list[str], train_args: list[str], *, log_dir: pathlib.Path,
-                 tag: str, entry: pathlib.Path = TRAIN, env: dict[str, str] | None = None) -> None:
+                 tag: str, entry: str = TRAIN, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.log = log_dir / f"{name}.log"
         cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "--log-dir", str(log_dir / name),
-               "--redirects", "3", "--tee", "3", str(entry), *train_args]
+               "--redirects", "3", "--tee", "3", "-m", entry, *train_args]
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MULTINODE_TEST_TAG": tag,
                     "LOGLEVEL": "INFO", **(env or {})}  # LOGLEVEL: the agents log their rendezvous and restarts
         with self.log.open("w") as out:
@@ -190,12 +193,6 @@ def losses(run_dir: pathlib.Path) -> list[float]:
 
 def _plain_model(run_dir: pathlib.Path) -> torch.nn.Module:
     """The run's GPT, unwrapped, on one process, built by launch's own builder from the run's config.json."""
-    sys.path.insert(0, str(ROOT / "launch"))
-    try:
-        from corpus import VOCAB_SIZE
-        from gpt import from_config
-    finally:
-        sys.path.remove(str(ROOT / "launch"))
     cfg = json.loads((run_dir / "config.json").read_text())
     return from_config(cfg, VOCAB_SIZE)
 

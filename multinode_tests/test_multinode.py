@@ -1,4 +1,4 @@
-"""launch/train.py as a two-node job on one machine (two torchrun agents of 2 processes each, c10d rendezvous),
+"""launch.train as a two-node job on one machine (two torchrun agents of 2 processes each, c10d rendezvous),
 checked against the single-node 4-process run, and the faults a multi-node job meets: a worker killed, a whole
 node killed, a worker killed while a checkpoint is being written."""
 

@@ -41,7 +41,7 @@ def test_readme_main_command_runs_the_trainer(tmp_path):
     text = (ROOT / "README.md").read_text()
     main = re.search(r"<!-- main-command -->\n```\n(.*?)\n```", text, flags=re.S).group(1)
     script = main.rsplit("&&", 1)[1].split()
-    assert script[:5] == ["torchrun", "--standalone", "--nproc-per-node", "2", "launch/train.py"]
+    assert script[:6] == ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "launch.train"]
     assert int(script[script.index("--steps") + 1]) <= 300
     torchrun = str(pathlib.Path(sys.executable).with_name("torchrun"))
     cmd = [torchrun, *script[1:], "--steps", "3", "--run-dir", str(tmp_path / "run")]  # the last flag wins

@@ -1,38 +1,41 @@
-"""launch/train.py, the project's main job: its command line, and real runs (one process and two torchrun gloo
+"""launch.train, the project's main job: its command line, and real runs (one process and two torchrun gloo
 ranks under FSDP2 and DDP) checked against the standard loop and against an uninterrupted run."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
+from launch import train
+from launch.train_config import TrainConfig, parse_config
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TRAIN = str(ROOT / "launch" / "train.py")
+TRAIN = ["-m", "launch.train"]  # run from the repository root, as the README does
 TORCHRUN = str(pathlib.Path(sys.executable).with_name("torchrun"))
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "8",
         "--corpus-mb", "0.25", "--steps", "6", "--warmup-steps", "2", "--threads", "1", "--log-every", "100"]
 
-sys.path.insert(0, str(ROOT / "launch"))
-import train  # noqa: E402
-from train_config import TrainConfig, parse_config  # noqa: E402
 
-
-def _run(cmd: list[str], cwd: pathlib.Path, expect: int = 0) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], expect: int = 0) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=240, env=env)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == expect, f"{' '.join(cmd)}\nrc {out.returncode}\n{out.stdout}\n{out.stderr[-4000:]}"
     return out
 
 
 def _train(tmp: pathlib.Path, run: str, *args: str, nproc: int = 1, expect: int = 0) -> subprocess.CompletedProcess:
     launcher = [sys.executable] if nproc == 1 else [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc)]
-    return _run([*launcher, TRAIN, *TINY, "--run-dir", str(tmp / run), *args], tmp, expect)
+    return _run([*launcher, *TRAIN, *TINY, "--run-dir", str(tmp / run), *args], expect)
 
 
 def _losses(tmp: pathlib.Path, run: str) -> list[float]:
@@ -49,19 +52,21 @@ def test_help_documents_every_flag(capsys):
     out = capsys.readouterr().out
     for name, f in TrainConfig.__dataclass_fields__.items():
         assert "--" + name.replace("_", "-") in out and f.metadata["help"], name
-    assert "torchrun --standalone --nproc-per-node 2 launch/train.py" in train.__doc__
+    assert "torchrun --standalone --nproc-per-node 2 -m launch.train" in train.__doc__
 
 
-def test_bad_flag_is_one_line_and_exit_code_2(tmp_path):
-    err = _run([sys.executable, TRAIN, "--no-such-flag"], tmp_path, expect=2).stderr
-    assert err.strip().splitlines() == ["train.py: error: unrecognized arguments: --no-such-flag (see --help)"]
+def test_bad_flag_is_one_line_and_exit_code_2():
+    err = _run([sys.executable, *TRAIN, "--no-such-flag"], expect=2).stderr
+    assert err.strip().splitlines() == ["launch.train: error: unrecognized arguments: --no-such-flag (see --help)"]
 
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
     (["--parallel", "fsdp1"], "argument --parallel: invalid choice: 'fsdp1'"),
     (["--n-embd", "30", "--n-head", "4"], "n_embd must be a multiple of n_head, got 30 and 4"),
-    (["--max-grad-norm", "-1"], "max_grad_norm must be > 0 (or none), got -1.0"),
+    (["--max-grad-norm", "-1"], "max_grad_norm must be > 0 and finite (or none), got -1.0"),
+    (["--lr", "inf"], "lr must be > 0 and finite, got inf"),
+    (["--beta2", "1"], "beta1 and beta2 must be in [0, 1), got 0.9 and 1.0"),
 ])
 def test_bad_value_is_one_line_and_exit_code_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -82,7 +87,8 @@ def test_refused_settings_are_one_line_errors(tmp_path, capsys):
     assert train.main([*TINY, *run, "--batch-size", "7", "--accumulation-steps", "2"]) == 2
     assert "batch_size must be a multiple of world size x accumulation_steps = 1 x 2, got 7" in capsys.readouterr().err
     assert train.main([*TINY, *run, "--parallel", "ddp"]) == 2
-    assert capsys.readouterr().err.strip() == "train.py: error: --parallel ddp needs a process group: launch with torchrun"
+    err = capsys.readouterr().err.strip()
+    assert err == "launch.train: error: --parallel ddp needs a process group: launch with torchrun"
 
 
 # -- one process --------------------------------------------------------------------------------------------------
@@ -122,7 +128,6 @@ def test_ddp_compare_in_backward_equals_standard(tmp_path):
 
 
 def test_fsdp2_compare_then_resume_on_two_and_on_one_process(tmp_path):
-    # previous_norm clipping would not resume bitwise: the previous step's norm is not in the checkpoint
     opts = ["--accumulation-steps", "2", "--max-grad-norm", "0.5", "--clip-mode", "per_parameter"]
     out = _train(tmp_path, "cmp", *opts, "--compare", nproc=2)  # FSDP2 is the default on 2 processes
     report = _check_report(tmp_path, "cmp", "fsdp2")
@@ -137,3 +142,130 @@ def test_fsdp2_compare_then_resume_on_two_and_on_one_process(tmp_path):
     _train(tmp_path, "part1", *opts, "--resume", "2")
     assert _losses(tmp_path, "part1")[:3] == full[:3]
     assert _losses(tmp_path, "part1") == pytest.approx(full, rel=1e-5, abs=1e-6)
+
+
+# -- the run directory: fresh, resumed, overwritten ----------------------------------------------------------------
+def _steps_on_disk(tmp: pathlib.Path, run: str) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in (tmp / run / "checkpoints").glob("step_*")
+                  if (p / "COMMITTED").is_file())
+
+
+def _files(tmp: pathlib.Path, run: str) -> dict[str, bytes]:
+    return {str(p.relative_to(tmp / run)): p.read_bytes() for p in sorted((tmp / run).rglob("*")) if p.is_file()}
+
+
+def test_fresh_run_over_checkpoints_is_refused_and_overwrite_replaces_them(tmp_path):
+    _train(tmp_path, "r", "--checkpoint-every", "2")  # checkpoints 1, 3, 5
+    before = _files(tmp_path, "r")
+    # another run into the same directory: refused before anything there is touched (metrics, config, checkpoints)
+    err = _train(tmp_path, "r", "--checkpoint-every", "2", "--seed", "1", expect=2).stderr
+    assert err.strip().splitlines()[-1] == (
+        f"launch.train: error: {tmp_path / 'r' / 'checkpoints'} holds the checkpoints of another run (steps 1, 3, 5); "
+        "a fresh run would delete them: resume it with --resume latest, train in another --run-dir, or pass "
+        "--overwrite to delete them and start fresh")
+    assert _files(tmp_path, "r") == before
+    # --overwrite: the new run's checkpoints only, the last one kept even with keep_last 1
+    _train(tmp_path, "r", "--checkpoint-every", "2", "--keep-checkpoints", "1", "--seed", "1", "--overwrite")
+    assert _steps_on_disk(tmp_path, "r") == [5]
+    _train(tmp_path, "fresh", "--seed", "1")
+    assert _losses(tmp_path, "r") == _losses(tmp_path, "fresh")
+
+
+def test_resume_from_an_older_checkpoint_keeps_the_checkpoints_it_writes(tmp_path):
+    _train(tmp_path, "r", "--checkpoint-every", "2")  # checkpoints 1, 3, 5
+    full = _losses(tmp_path, "r")
+    err = _train(tmp_path, "r", "--checkpoint-every", "2", "--resume", "1", expect=2).stderr
+    assert "holds later checkpoints (steps 3, 5) that this run would write over" in err
+    assert _steps_on_disk(tmp_path, "r") == [1, 3, 5]
+    _train(tmp_path, "r", "--checkpoint-every", "2", "--resume", "1", "--overwrite")
+    assert _steps_on_disk(tmp_path, "r") == [1, 3, 5] and _losses(tmp_path, "r") == full
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--block-size", "1000000"], "block_size + 2 = 1000002 bytes must fit in the corpus, which has 262144"),
+    (["--resume", "7"], "--resume 7: no committed checkpoint at"),
+    (["--resume", "/no/such/checkpoint"], "--resume /no/such/checkpoint: no committed checkpoint at"),
+    (["--overwrite", "--compare"], "--compare trains two jobs from scratch"),
+])
+def test_unusable_settings_are_one_line_errors(argv, message, tmp_path, capsys):
+    assert train.main([*TINY, "--run-dir", str(tmp_path / "r"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("launch.train: error: ") and message in err
+
+
+def test_lr_inf_is_refused_and_a_diverged_run_stops_with_exit_code_1(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_config(["--lr", "inf"])
+    assert exc.value.code == 2 and "lr must be > 0 and finite, got inf" in capsys.readouterr().err
+    # finite, but far too large: the loss turns NaN at step 1
+    assert train.main([*TINY, "--run-dir", str(tmp_path / "r"), "--lr", "1e30", "--checkpoint-every", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "launch.train: error: the loss is nan at step 1 (lr 6.67e+29): the run diverged" in err
+    assert not all(map(math.isfinite, _losses(tmp_path, "r")))
+    assert _steps_on_disk(tmp_path, "r") == [0]  # no checkpoint of the diverged state
+
+
+# -- options on resume --------------------------------------------------------------------------------------------
+def test_resume_applies_schedule_options_and_refuses_a_new_model_shape(tmp_path):
+    _train(tmp_path, "r", "--stop-after", "2", "--checkpoint-every", "3")
+    err = _train(tmp_path, "r", "--resume", "latest", "--n-embd", "64", expect=2).stderr
+    assert "the checkpoint's model has --n-embd 32 (now 64): a resume keeps the model's shape" in err
+    out = _train(tmp_path, "r", "--resume", "latest", "--lr", "0.001", "--weight-decay", "0.5")
+    assert "in effect from step 3: --lr 0.003 -> 0.001, --weight-decay 0.1 -> 0.5" in out.stderr
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["lr"] == 0.001
+    # from step 3 on, the lr of a run started with --lr 0.001 (the same schedule)
+    _train(tmp_path, "new", "--lr", "0.001", "--weight-decay", "0.5")
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    new = [json.loads(line)["lr"] for line in (tmp_path / "new" / "metrics.jsonl").read_text().splitlines()]
+    assert lrs[3:] == new[3:] and lrs[:3] != new[:3]
+
+
+@pytest.mark.parametrize("mode", ["in_backward", "standard"])
+def test_previous_norm_clipping_resumes_exactly_without_a_warning(mode, tmp_path):
+    opts = ["--max-grad-norm", "0.05", "--clip-mode", "previous_norm", "--optimizer-mode", mode]
+    _train(tmp_path, "full", *opts)
+    _train(tmp_path, "part", *opts, "--stop-after", "2", "--checkpoint-every", "3")
+    out = _train(tmp_path, "part", *opts, "--resume", "latest")
+    assert "resumed from" in out.stderr and "WARNING" not in out.stderr.upper() and "not clipped" not in out.stderr
+    assert _losses(tmp_path, "part") == _losses(tmp_path, "full")
+
+
+# -- SIGTERM ------------------------------------------------------------------------------------------------------
+def _worker(agent: subprocess.Popen, local_rank: int, timeout: float = 120) -> int:
+    """The pid of the agent's worker ``local_rank`` (read from /proc)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+            try:
+                parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                env = (stat.parent / "environ").read_bytes().split(b"\0")
+            except (OSError, IndexError):
+                continue
+            if parent == agent.pid and f"LOCAL_RANK={local_rank}".encode() in env:
+                return int(stat.parent.name)
+        time.sleep(0.05)
+    raise AssertionError(f"no worker with LOCAL_RANK={local_rank} under torchrun {agent.pid}")
+
+
+def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_and_resumes_exactly(tmp_path):
+    opts = ["--steps", "60", "--batch-size", "32", "--log-every", "1"]
+    _train(tmp_path, "full", *opts, nproc=2)
+    run = tmp_path / "run"
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "2", *TRAIN, *TINY, *opts, "--run-dir", str(run)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as agent:
+        try:
+            rank1 = _worker(agent, 1)
+            metrics = run / "metrics.jsonl"
+            while agent.poll() is None and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+                time.sleep(0.02)
+            os.kill(rank1, signal.SIGTERM)  # a scheduler may signal only some of the processes, at any step
+            output, _ = agent.communicate(timeout=240)
+        finally:
+            agent.kill()
+    assert agent.returncode == 0, output[-4000:]
+    stopped = [int(s) for s in re.findall(r"SIGTERM: stopped after step (\d+)", output)]
+    assert len(stopped) == 1 and stopped[0] < 59, output[-4000:]
+    assert _steps_on_disk(tmp_path, "run") == stopped and len(_losses(tmp_path, "run")) == stopped[0] + 1
+    _train(tmp_path, "run", *opts, "--resume", "latest", nproc=2)
+    assert _losses(tmp_path, "run") == _losses(tmp_path, "full")

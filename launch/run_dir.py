@@ -1,0 +1,117 @@
+"""What a run may do with its run directory before it trains: resume which checkpoint, refuse to start fresh over
+another run's checkpoints, delete what ``--overwrite`` allows, and which changed options a resume applies or refuses.
+
+Rank 0 decides from the files and every rank receives the decision, so that all raise the same error or none does;
+nothing is deleted or rewritten before the decision (``metrics.jsonl`` and ``config.json`` included).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import shutil
+from dataclasses import dataclass, field
+from typing import Any
+
+from dist_optim.checkpoint import CheckpointManager
+
+from .runtime import LaunchError, Runtime
+from .train_config import MODEL_SHAPE, PROCESS_OPTIONS, TrainConfig
+
+__all__ = ["Plan", "plan_run", "write_config"]
+
+log = logging.getLogger("train")
+
+
+@dataclass
+class Plan:
+    resume_from: pathlib.Path | None  # the checkpoint to load; None: a fresh start
+    changed: list[str] = field(default_factory=list)  # "name old -> new" of the options a resume applies
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _step_list(found: list[pathlib.Path]) -> str:
+    return ", ".join(str(int(p.name.split("_")[1])) for p in sorted(found)) or "none"
+
+
+def _target(cfg: TrainConfig, manager: CheckpointManager) -> pathlib.Path | None:
+    """The checkpoint ``--resume`` names (None: ``latest`` in a directory without one), or a LaunchError."""
+    found = manager.checkpoints()
+    if cfg.resume == "latest":
+        return found[0] if found else None
+    path = manager.path_for(int(cfg.resume)) if cfg.resume.isdigit() else pathlib.Path(cfg.resume)
+    if not (path / "COMMITTED").is_file():
+        raise LaunchError(f"--resume {cfg.resume}: no committed checkpoint at {path} (the checkpoints of "
+                          f"{manager.directory}: steps {_step_list(found)}); use --resume latest or one of them")
+    return path
+
+
+def _changes(cfg: TrainConfig, path: pathlib.Path) -> list[str]:
+    """The options that differ from those of the run that wrote ``path`` (its run directory's config.json, when the
+    checkpoint is one of a run directory's); a LaunchError when one of them shapes the model."""
+    recorded = path.resolve().parent.parent / "config.json"
+    if path.resolve().parent.name != "checkpoints" or not recorded.is_file():
+        return []  # a checkpoint from elsewhere: the load itself checks the names and shapes
+    old: dict[str, Any] = json.loads(recorded.read_text())
+    new = cfg.to_dict()
+    shape = [f"{_flag(k)} {old[k]} (now {new[k]})" for k in MODEL_SHAPE if k in old and old[k] != new[k]]
+    if shape:
+        raise LaunchError(f"the checkpoint's model has {', '.join(shape)}: a resume keeps the model's shape; drop "
+                          "those options, or start a fresh run in another --run-dir")
+    return [f"{_flag(k)} {old[k]} -> {new[k]}" for k in new
+            if k not in PROCESS_OPTIONS and k in old and old[k] != new[k]]
+
+
+def _decide(cfg: TrainConfig, manager: CheckpointManager) -> tuple[Plan, list[pathlib.Path]]:
+    """(the plan, the checkpoints to delete first); raises LaunchError."""
+    found = manager.checkpoints()
+    if cfg.resume is None:
+        if found and not cfg.overwrite:
+            raise LaunchError(
+                f"{manager.directory} holds the checkpoints of another run (steps {_step_list(found)}); a fresh run "
+                "would delete them: resume it with --resume latest, train in another --run-dir, or pass "
+                "--overwrite to delete them and start fresh")
+        return Plan(None), found
+    path = _target(cfg, manager)
+    if path is None:
+        return Plan(None), []
+    step = int(path.name.split("_")[1]) if path.name.startswith("step_") else -1
+    later = [p for p in found if int(p.name.split("_")[1]) > step] if path.parent == manager.directory else []
+    if later and not cfg.overwrite:
+        # keep_last keeps the highest step numbers: the resumed run's own checkpoints would be deleted at once
+        raise LaunchError(
+            f"--resume {cfg.resume}: {manager.directory} holds later checkpoints (steps {_step_list(later)}) that "
+            "this run would write over; resume the latest, or pass --overwrite to delete them")
+    return Plan(path, _changes(cfg, path)), later
+
+
+def plan_run(cfg: TrainConfig, rt: Runtime, manager: CheckpointManager) -> Plan:
+    """Decide on rank 0, delete what ``--overwrite`` allows, and return the same plan on every rank. Collective."""
+    outcome: Any
+    if rt.is_main:
+        try:
+            plan, doomed = _decide(cfg, manager)
+            for p in doomed:
+                shutil.rmtree(p)
+            if doomed:
+                log.info("--overwrite: deleted checkpoints %s of %s", _step_list(doomed), manager.directory)
+            outcome = plan
+        except LaunchError as e:
+            outcome = str(e)
+    else:
+        outcome = None
+    outcome = rt.all_gather(outcome)[0]
+    if isinstance(outcome, str):
+        raise LaunchError(outcome)
+    return outcome
+
+
+def write_config(cfg: TrainConfig) -> None:
+    """RUN_DIR/config.json: the options in effect (on a resume, from the resumed step on)."""
+    run_dir = pathlib.Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
