@@ -115,11 +115,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--models", default="many_small,few_large", help="comma-separated subset of the models")
     args = h.parse(p, argv, quick={"threads": 1, "repeats": 3, "iters": 1, "warmup": 2, "bucket_cap_mb": 0.05},
                    full={"threads": min(2, os.cpu_count() or 1), "repeats": 35, "iters": 3, "warmup": 3})
-    small, large = ((64, 8), (256, 3)) if args.quick else ((640, 24), (2048, 4))
-    builds = {"many_small": (lambda: h.many_small(*small), small[0]), "few_large": (lambda: h.few_large(*large), large[0])}
     run = h.Run("bench_core", args)
     device = h.device_of(args)
-    models = {m: bench_model(m, *builds[m], args, device) for m in args.models.split(",")}
+    models = {m: bench_model(m, *h.models(args.quick)[m], args, device) for m in args.models.split(",")}
     return run.finish({"models": models})
 
 

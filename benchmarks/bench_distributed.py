@@ -29,22 +29,13 @@ VARIANTS = ("ddp_view0_std", "ddp_view0_inb", "ddp_view1_std", "ddp_view1_inb", 
             "fsdp2_hooks")
 
 
-def shard(module: nn.Module, mesh: Any) -> nn.Module:
-    """``fully_shard`` each block, then the root."""
-    from torch.distributed.fsdp import fully_shard
-
-    for block in list(module)[:-1]:
-        fully_shard(block, mesh=mesh)
-    return fully_shard(module, mesh=mesh)
-
-
 def variant(name: str, base: nn.Module, x: torch.Tensor, mesh: Any, args: Any) -> h.Variant:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     wrapper, loop = name.rsplit("_", 1)
     module = copy.deepcopy(base)
     if wrapper == "fsdp2":
-        model = shard(module, mesh)
+        model = h.fully_shard_blocks(module, mesh)
     else:
         ids = [x.device.index] if x.device.type == "cuda" else None
         model = DDP(module, device_ids=ids, gradient_as_bucket_view=wrapper == "ddp_view1",

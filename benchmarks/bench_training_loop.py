@@ -151,15 +151,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "max_norm": 1.0})
     if args.accumulation < 2 or not set(args.sections.split(",")) <= set(SECTIONS):
         p.error(f"--accumulation must be >= 2 and --sections a subset of {', '.join(SECTIONS)}")
-    small, large = ((64, 8), (256, 3)) if args.quick else ((640, 24), (2048, 4))
-    builds = {"many_small": (h.many_small, small), "few_large": (h.few_large, large)}
     run = h.Run("bench_training_loop", args)
     device = h.device_of(args)
     models = {}
     for name in args.models.split(","):
-        build, (width, n) = builds[name]
+        build, width = h.models(args.quick)[name]
         torch.manual_seed(0)
-        base = build(width, n).to(device)
+        base = build().to(device)
         xs = [torch.randn(args.batch, width, device=device) for _ in range(args.accumulation)]
         print(f"\n=== {name}: {len(list(base.parameters()))} tensors, {h.mib(h.nbytes(base.parameters()))} MiB of "
               f"gradients, batch {args.batch}, max_norm {args.max_norm:g}, k={args.accumulation}")

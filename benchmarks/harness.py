@@ -93,6 +93,13 @@ def few_large(width: int, n: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def models(quick: bool) -> dict[str, tuple[Callable[[], nn.Sequential], int]]:
+    """The single-process models, each (its builder, its input width): many_small (98 tensors, 39 MiB; quick: 34
+    tensors) and few_large (4 x 16 MiB; quick: 3 x 0.25 MiB)."""
+    (w, d), (v, n) = ((64, 8), (256, 3)) if quick else ((640, 24), (2048, 4))
+    return {"many_small": (lambda: many_small(w, d), w), "few_large": (lambda: few_large(v, n), v)}
+
+
 def adamw(params: Any, **kw: Any) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **{"fused": True, **kw})
 
@@ -101,6 +108,15 @@ def in_backward(model: nn.Module, bucket_cap_mb: float | None = None, **kw: Any)
     if bucket_cap_mb is not None:
         kw["bucket_cap_mb"] = bucket_cap_mb
     return dist_optim.InBackwardOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, **kw)
+
+
+def fully_shard_blocks(module: nn.Sequential, mesh: Any) -> nn.Module:
+    """FSDP2: ``fully_shard`` each block of :func:`many_small`, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in list(module)[:-1]:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(module, mesh=mesh)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -300,16 +316,16 @@ class Variant:
             step()
 
 
-def agreement(a: Variant, b: Variant) -> dict[str, Any]:
-    """Parameters (and optimizer state where both have one) of ``a`` against ``b``, on this rank."""
-    pa, pb = [local(p.detach()) for p in a.params], [local(p.detach()) for p in b.params]
-    out = {"params_bitwise_equal": all(torch.equal(x, y) for x, y in zip(pa, pb)),
-           "max_abs_diff": max((float((x - y).abs().max()) for x, y in zip(pa, pb) if x.numel()), default=0.0)}
-    if a.opt is not None and b.opt is not None and hasattr(a.opt, "state") and hasattr(b.opt, "state"):
-        sa, sb = ([o.state.get(p, {}) for p in v.params] for o, v in ((a.opt, a), (b.opt, b)))
+def agreement(pa: list[torch.Tensor], oa: Any, pb: list[torch.Tensor], ob: Any) -> dict[str, Any]:
+    """Parameters ``pa`` against ``pb`` (and the state of optimizers ``oa``, ``ob`` where both exist), this rank's."""
+    la, lb = [local(p.detach()) for p in pa], [local(p.detach()) for p in pb]
+    out = {"params_bitwise_equal": all(torch.equal(x, y) for x, y in zip(la, lb)),
+           "max_abs_diff": max((float((x - y).abs().max()) for x, y in zip(la, lb) if x.numel()), default=0.0)}
+    if hasattr(oa, "state") and hasattr(ob, "state"):
         out["state_bitwise_equal"] = all(
-            x.keys() == y.keys() and all(torch.equal(local(x[k]), local(y[k])) for k in x
-                                         if isinstance(x[k], torch.Tensor)) for x, y in zip(sa, sb))
+            x.keys() == y.keys() and all(torch.equal(local(x[k]), local(y[k])) if isinstance(x[k], torch.Tensor)
+                                         else x[k] == y[k] for k in x)
+            for x, y in zip((oa.state.get(p, {}) for p in pa), (ob.state.get(p, {}) for p in pb)))
     return out
 
 
@@ -332,12 +348,14 @@ def measure(variants: dict[str, Variant], args: argparse.Namespace, pairs: Seque
                               max(1, round(args.iters / steps)), device)
     out: dict[str, Any] = {"variants": {}, "ratios": {f"{a}/{b}": ratio(timing, a, b) for a, b in pairs}}
     for n, v in variants.items():
-        out["variants"][n] = {
+        out["variants"][n] = entry = {
             "timing": timing[n], "memory": memory[n], "reference": v.reference,
             "moved_from_init": any(not torch.equal(local(p.detach()), q) for p, q in zip(v.params, v.initial)),
             "grads_left": sum(p.grad is not None for p in v.params),
-            **({"agreement": agreement(v, variants[v.reference])} if v.reference else {}),
         }
+        if v.reference:
+            ref = variants[v.reference]
+            entry["agreement"] = agreement(v.params, v.opt, ref.params, ref.opt)
     return out
 
 
