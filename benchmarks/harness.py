@@ -36,7 +36,9 @@ from torch.profiler import ProfilerActivity, profile
 
 import dist_optim
 
-__all__ = ["allocator_peak", "measure", "parser", "Run", "spawn", "Variant"]
+__all__ = ["adamw", "agreement", "allocator_peak", "bucket_bytes", "device_of", "few_large", "fully_shard_blocks",
+           "in_backward", "local", "many_small", "measure", "mib", "models", "nbytes", "parse", "parser", "print_table",
+           "quartiles", "ratio", "Run", "spawn", "time_interleaved", "unit_peak", "Variant"]
 
 LR, WEIGHT_DECAY, MiB = 1e-3, 0.01, 2**20
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -65,6 +67,8 @@ def parser(name: str, doc: str) -> argparse.ArgumentParser:
 def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None, quick: dict[str, Any], full: dict[str, Any]
           ) -> argparse.Namespace:
     """Parse; every option left at ``None`` takes its value from ``quick`` or ``full``."""
+    p.epilog = "defaults, full | quick: " + ", ".join(
+        f"--{k.replace('_', '-')} {full.get(k)} | {quick.get(k)}" for k in full if k != "world")
     a = p.parse_args(argv)
     for key, value in (quick if a.quick else full).items():
         if getattr(a, key, None) is None:
@@ -340,9 +344,9 @@ def measure(variants: dict[str, Variant], args: argparse.Namespace, pairs: Seque
     shim = HeapShim.loaded()
     memory = {}
     for n, v in variants.items():
-        memory[n] = {"profiler": unit_peak(v.steps, device)}
+        memory[n] = {"allocator": unit_peak(v.steps, device)}
         memory[n]["all_threads"] = shim.peak(v.unit, memory_iters) if shim else None
-        memory[n]["peak_bytes"] = (memory[n]["all_threads"] or memory[n]["profiler"])["peak_bytes"]
+        memory[n]["peak_bytes"] = (memory[n]["all_threads"] or memory[n]["allocator"])["peak_bytes"]
     steps = max(len(v.steps) for v in variants.values())
     timing = time_interleaved({n: v.unit for n, v in variants.items()}, args.repeats,
                               max(1, round(args.iters / steps)), device)

@@ -34,7 +34,7 @@ def test_bench_distributed_quick_in_backward_equals_the_standard_loops_and_fsdp2
         for name, v in variants.items():
             assert len(v["timing"]["samples_s"]) == reps, name  # timed in every repetition, on every rank
             assert v["moved_from_init"] and v["grads_left"] == 0, name
-            assert v["memory"]["profiler"]["events"] > 0 and v["memory"]["peak_bytes"] > 0, name
+            assert v["memory"]["allocator"]["events"] > 0 and v["memory"]["peak_bytes"] > 0, name
             if result["all_thread_memory"]:
                 assert v["memory"]["all_threads"]["peak_bytes"] == v["memory"]["peak_bytes"], name
         # The same iterations on the same data (each rank its own): bitwise equal on every rank (replica or shards).

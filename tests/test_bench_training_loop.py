@@ -32,7 +32,7 @@ def test_bench_training_loop_quick_runs_matches_the_standard_loops_and_saves_mem
         for name, v in variants.items():
             assert len(v["timing"]["samples_s"]) == reps, (key, name)  # every variant timed in every repetition
             assert v["moved_from_init"] and v["grads_left"] == 0, (key, name)
-            assert v["memory"]["profiler"]["events"] > 0 and v["memory"]["peak_bytes"] > 0, (key, name)
+            assert v["memory"]["allocator"]["events"] > 0 and v["memory"]["peak_bytes"] > 0, (key, name)
         for name, ref in pairs.items():
             v = variants[name]
             assert v["reference"] == ref, (key, name)
@@ -68,7 +68,7 @@ def test_bench_training_loop_quick_runs_matches_the_standard_loops_and_saves_mem
     acc = sections["accumulation"]
     k = result["config"]["accumulation"]
     for name in ("std_accum", "inb_accum"):
-        assert len(acc["variants"][name]["memory"]["profiler"]["per_step_peak_bytes"]) == k
+        assert len(acc["variants"][name]["memory"]["allocator"]["per_step_peak_bytes"]) == k
     assert acc["variants"]["inb_accum"]["info"]["micro_batches_pending"] == 0
     assert acc["variants"]["inb_accum"]["info"]["params_stepped"] == result["models"]["many_small"]["n_tensors"]
 

@@ -18,7 +18,7 @@ def test_bench_core_quick_matches_the_fused_standard_loop_and_saves_memory(tmp_p
         for v in variants.values():
             assert len(v["timing"]["samples_s"]) == reps and v["timing"]["median_s"] > 0, name
             assert v["moved_from_init"] and v["grads_left"] == 0, name
-            assert v["memory"]["profiler"]["events"] > 0 and v["memory"]["peak_bytes"] > 0, name
+            assert v["memory"]["allocator"]["events"] > 0 and v["memory"]["peak_bytes"] > 0, name
         for variant in ("inbackward", "inbackward_per_param", "torch_private_fused"):
             agreement = variants[variant]["agreement"]
             assert variants[variant]["reference"] == "standard_fused"
