@@ -86,11 +86,15 @@ def variant(section: str, name: str, model: nn.Module, xs: list[torch.Tensor], a
                 opt.step()
             opt.zero_grad(set_to_none=True)
 
-        steps = [(lambda x=x: backward(x)) for x in xs[:k]]
-        steps[-1] = lambda: (backward(xs[k - 1]), finish())
-        info = lambda: {"grad_norm": None if "grad_norm" not in last else float(last["grad_norm"]),  # noqa: E731
-                        "scale": scaler.get_scale() if scaler else None}
-        return h.Variant(steps, params, opt), info
+        def last_step() -> None:
+            backward(xs[k - 1])
+            finish()
+
+        def info() -> dict[str, Any]:
+            return {"grad_norm": float(last["grad_norm"]) if "grad_norm" in last else None,
+                    "scale": scaler.get_scale() if scaler else None}
+
+        return h.Variant([(lambda x=x: backward(x)) for x in xs[:k - 1]] + [last_step], params, opt), info
     if "clip_mode" in kw:
         kw["max_grad_norm"] = args.max_norm
     if scaler:
