@@ -461,7 +461,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         ``"in_backward"``, holds the previous step's gradient norm, which the next step clips with (torch's
         ``load_state_dict`` ignores it)."""
         state_dict = super().state_dict()
-        extra = self._in_backward_state()
+        extra = self._policy.extra_state()  # a collective for a DTensor norm: state_dict() is called on every rank
         if extra:
             state_dict["in_backward"] = extra
         return state_dict
@@ -471,16 +471,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "in_backward"})
         self._recipe.choose_kernels()
         self._engine.rebuild()
-        self._load_in_backward_state(state_dict.get("in_backward") or {})
-
-    def _in_backward_state(self) -> dict[str, Any]:
-        """Plain data the next step needs beyond ``state`` (see :meth:`state_dict`); checkpoints store it too."""
-        return self._policy.extra_state()
-
-    def _load_in_backward_state(self, extra: dict[str, Any]) -> None:
         first = next((p for g in self.param_groups for p in g["params"]), None)
         if first is not None:
-            self._policy.load_extra_state(extra, like=first)
+            self._policy.load_extra_state(state_dict.get("in_backward") or {}, like=first)
 
     def remove(self) -> None:
         """Detach every hook. The model then trains with a standard optimizer again, and this object behaves as
