@@ -4,22 +4,21 @@ Both jobs start from the same seed and see the same batches; their steps are int
 every step) so that the machine's drift touches both alike. Reported: the two loss curves and their largest
 difference (0 where the arithmetic is the same), the median step time of each and their paired ratio, and each
 rank's memory peak over one step: on CPU from torch.profiler's ``[memory]`` events (running sum of the allocator's
-signed deltas, as in benchmarks/bench_core.py), on CUDA ``torch.cuda.max_memory_allocated``. The profiler sees the
+signed deltas: ``benchmarks.harness.allocator_peak``), on CUDA ``torch.cuda.max_memory_allocated``. The profiler sees the
 profiled thread only: under FSDP2 gloo's own threads allocate and free some blocks too, which shows as a non-zero
 "net" (reported), so read FSDP2's CPU peaks to about that much.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import pathlib
 import statistics
 from typing import Any
 
-import torch
-from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.harness import allocator_peak
 
 from .runtime import Runtime
 from .train_config import TrainConfig
@@ -33,38 +32,15 @@ MiB = 2**20
 
 
 def profiled_step(job: Job, step: int) -> tuple[Any, dict[str, Any]]:
-    """Run ``job.step(step)`` under the memory profiler: (its result, peak/net bytes above the start and the
-    timeline of allocated bytes)."""
-    device = job.rt.device
-    gc.collect()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    with profile(activities=activities, profile_memory=True) as prof:
-        result = job.step(step)
-    kind = torch.autograd.DeviceType.CUDA if device.type == "cuda" else torch.autograd.DeviceType.CPU
-    events = sorted(
-        ((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-         if e.name() == "[memory]" and e.device_type() == kind),
-        key=lambda t: t[0],
-    )
-    running = peak = 0
-    timeline = [(0.0, 0)]
-    t0 = events[0][0] if events else 0
-    for t, nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-        timeline.append(((t - t0) / 1e9, running))
-    memory = {"peak_bytes": peak, "net_bytes": running, "events": len(events), "source": "torch.profiler"}
-    if device.type == "cuda":
-        memory.update(peak_bytes=torch.cuda.max_memory_allocated(device) - base, source="torch.cuda")
+    """Run ``job.step(step)`` under the allocator's peak measure (the benchmarks' own): (its result, peak/net
+    bytes above the start and the timeline of allocated bytes)."""
+    out: list[Any] = []
+    memory = allocator_peak(lambda: out.append(job.step(step)), job.rt.device, timeline=True)
+    timeline = memory["timeline"]
     if len(timeline) > 400:  # enough points for a plot
         stride = len(timeline) // 400 + 1
-        timeline = timeline[::stride] + [timeline[-1]]
-    memory["timeline"] = timeline
-    return result, memory
+        memory["timeline"] = timeline[::stride] + [timeline[-1]]
+    return out[0], memory
 
 
 def _grad_bytes(job: Job) -> int:
