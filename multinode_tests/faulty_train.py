@@ -38,7 +38,7 @@ def _die_while_saving(rank: int, save_step: int) -> None:
     folder = f"step_{save_step:08d}.partial"
 
     def write_half_then_die(self, plan, planner):
-        if pathlib.Path(self.path).name == folder:
+        if pathlib.Path(self.path).parent.name == folder:  # <name>.partial/<owner token>/
             (pathlib.Path(self.path) / f"__{rank}_0.distcp").write_bytes(b"half a shard")
             os.kill(os.getpid(), signal.SIGKILL)
         return write_data(self, plan, planner)

@@ -104,8 +104,10 @@ def test_worker_killed_during_save_leaves_the_previous_checkpoint(tmp_path, tag,
     codes = wait_all(*agents, expect=None)
     assert 0 not in codes, f"exit codes {codes}" + report(*agents)
     partial = checkpoint_dir(run) / f"step_{save_step:08d}.partial"
-    assert (partial / f"__{rank}_0.distcp").read_bytes() == b"half a shard", report(*agents)
-    assert not (partial / "COMMITTED").exists()
+    stagings = list(partial.iterdir())  # one staging folder per save, named by its owner token
+    assert len(stagings) == 1, report(*agents)
+    assert (stagings[0] / f"__{rank}_0.distcp").read_bytes() == b"half a shard", report(*agents)
+    assert not (stagings[0] / "COMMITTED").exists()
     assert committed_steps(run) == [1, 3], report(*agents)
     previous = checkpoint_dir(run) / "step_00000003"
     assert not state_differences(checkpoint_state(previous, run),
