@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -51,3 +53,10 @@ def test_docstring_examples_run(module, framework):
     pytest.importorskip(framework, reason=f"{module}'s example needs {framework}")
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_import_dist_optim_imports_no_framework():
+    code = ("import sys, dist_optim, dist_optim.integrations; "
+            "print(sorted(m for m in ('transformers', 'accelerate', 'lightning', 'torchtune') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
