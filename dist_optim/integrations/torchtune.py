@@ -77,7 +77,9 @@ def from_torchtune_state_dict(state_dict: dict[str, dict[str, Any]], optimizer: 
     return {"state": state, "param_groups": groups}
 
 
-def build_optimizer(params: Any, optimizer_class: str | type[torch.optim.Optimizer], **kwargs: Any) -> InBackwardOptimizer:
+def build_optimizer(
+    params: Any, optimizer_class: str | type[torch.optim.Optimizer], **kwargs: Any
+) -> InBackwardOptimizer:
     """``InBackwardOptimizer(params, optimizer_class, **kwargs)`` with the class given as a dotted path, for
     configs that can only hold strings (torchtune's ``config.instantiate(cfg.optimizer, params)``)::
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dist_optim
-from helpers import assert_same_params, assert_same_state, batches, loss_of, make_model, twins
+from helpers import assert_same_params, assert_same_state, batches, loss_of, make_model, train_in_backward, twins
 
 
 def test_class_equals_the_standard_loop_and_fixes_engine_options():
@@ -20,8 +20,9 @@ def test_class_equals_the_standard_loop_and_fixes_engine_options():
     cls = dist_optim.in_backward(torch.optim.AdamW, max_grad_norm=0.5, bucket_cap_mb=1e-4)
     opt = cls(model.named_parameters(), lr=1e-2, fused=True)
     ref_opt = torch.optim.AdamW(ref.named_parameters(), lr=1e-2, fused=True)
-    for batch in batches(3):
-        loss_of(model, batch).backward()
+    data = batches(3)
+    train_in_backward(model, data)
+    for batch in data:
         loss_of(ref, batch).backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         ref_opt.step()

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-accelerate = pytest.importorskip("accelerate", reason="the accelerate adapter is tested with accelerate installed")
+pytest.importorskip("accelerate", reason="the accelerate adapter is tested with accelerate installed")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers", reason="the HF Trainer adapter is tested with transformers installed")
+pytest.importorskip("transformers", reason="the HF Trainer adapter is tested with transformers installed")
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
@@ -73,7 +73,8 @@ def assert_same_run(a, b, exact: bool = True) -> None:
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"gradient_accumulation_steps": 4}, {"max_grad_norm": 0.0}, {"gradient_accumulation_steps": 4, "max_grad_norm": 0.3}],
+    [{}, {"gradient_accumulation_steps": 4}, {"max_grad_norm": 0.0},
+     {"gradient_accumulation_steps": 4, "max_grad_norm": 0.3}],
     ids=["defaults", "accum4", "no-clip", "accum4-clip0.3"],
 )
 def test_adapter_equals_the_standard_trainer(tmp_path, options):

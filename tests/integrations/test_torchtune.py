@@ -138,7 +138,8 @@ def test_conversion_errors_name_the_fix():
     model = tiny_llama()
     opt = InBackwardOptimizer(model, torch.optim.AdamW, **ADAMW)
     converted = to_torchtune_state_dict(opt)
-    extra = {**{k: v for k, v in converted.items() if k != "output.weight"}, "lm_head.weight": converted["output.weight"]}
+    extra = {k: v for k, v in converted.items() if k != "output.weight"}
+    extra["lm_head.weight"] = converted["output.weight"]
     with pytest.raises(ValueError, match=r"missing \['output.weight'\], unexpected \['lm_head.weight'\]"):
         from_torchtune_state_dict(extra, opt)
     with pytest.raises(ValueError, match="not a torchtune OptimizerInBackwardWrapper state dict"):
