@@ -34,7 +34,8 @@ def in_backward(optimizer_class: type[torch.optim.Optimizer], **engine_options: 
 
     Returns:
         A subclass of :class:`InBackwardOptimizer` named ``InBackward<optimizer_class name>`` whose ``__init__``
-        takes ``(params, **optimizer_kwargs)``.
+        takes ``(params, **optimizer_kwargs)``; its class attributes ``optimizer_class`` and ``engine_options``
+        say what it was made from.
 
     Raises:
         TypeError: ``optimizer_class`` is not an optimizer class, or an engine option name is unknown (an option
