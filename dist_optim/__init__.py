@@ -1,5 +1,6 @@
 """dist_optim: the optimizer step inside the backward pass, exactly like the standard loop, with less memory."""
 
+from dist_optim._factory import in_backward
 from dist_optim._grad_policy import StepStats
 from dist_optim._seed_pair import apply_optimizer_in_backward, get_in_backward_optimizers
 from dist_optim.averaging import average_in_backward
@@ -11,4 +12,5 @@ __all__ = [
     "apply_optimizer_in_backward",
     "average_in_backward",
     "get_in_backward_optimizers",
+    "in_backward",
 ]

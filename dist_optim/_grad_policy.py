@@ -1,6 +1,7 @@
-"""What happens to a bucket's gradients between backward and the step: unscale, check, measure, clip.
+"""What happens to a bucket's gradients between backward and the step: unscale, scale, check, measure, clip.
 
-One ``GradPolicy`` per optimizer. The engine hands it each completed bucket (``prepare``); where the decision
+One ``GradPolicy`` per optimizer. The engine hands it each completed bucket (``prepare``), which first applies
+the step's gradient multiplier (a framework's ``1 / num_tokens`` scaling), then the rest; where the decision
 needs every gradient of the step (exact global-norm clipping, all-or-nothing fp16 overflow), the engine holds the
 buckets and asks ``finish_held`` at the end of backward. Arithmetic follows torch's own helpers
 (``clip_grad_norm_``, ``clip_grad_value_``, ``GradScaler.unscale_``), so results match the standard loop.
@@ -8,6 +9,7 @@ buckets and asks ``finish_held`` at the end of backward. Arithmetic follows torc
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +59,7 @@ class GradPolicy:
         overflow: str,
         nonfinite: str,
         track_grad_norm: bool,
+        grad_multiplier: float | torch.Tensor | None = None,
     ) -> None:
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}")
@@ -85,10 +88,11 @@ class GradPolicy:
         self.nonfinite = nonfinite
         clip_global = max_grad_norm is not None and clip_mode != "per_parameter"
         self.track_norm = track_grad_norm or clip_global
+        self.grad_multiplier = self.check_multiplier(grad_multiplier)
         self.hold = (max_grad_norm is not None and clip_mode == "exact") or (
             self.scaler is not None and overflow == "exact"
         )
-        self.active = self.track_norm or self.hold or self.scaler is not None or max_grad_norm is not None or (
+        self._transforms = self.track_norm or self.hold or self.scaler is not None or max_grad_norm is not None or (
             max_grad_value is not None or nonfinite != "ignore"
         )
         self.previous_norm: torch.Tensor | None = None
@@ -97,6 +101,27 @@ class GradPolicy:
         self._found_inf: torch.Tensor | None = None
         self._inv_scale: torch.Tensor | None = None
         self._started = 0.0
+
+    @staticmethod
+    def check_multiplier(value: float | torch.Tensor | None) -> float | torch.Tensor | None:
+        """A gradient multiplier is a finite number or a one-element tensor (``None``: no scaling)."""
+        if value is None:
+            return None
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1 or not value.is_floating_point():
+                raise ValueError(
+                    f"grad_multiplier must be a number or a one-element floating tensor, got a {value.dtype} tensor of "
+                    f"shape {tuple(value.shape)}"
+                )
+            return value.detach()
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"grad_multiplier must be a finite number, a one-element tensor or None, got {value!r}")
+        return float(value)
+
+    @property
+    def active(self) -> bool:
+        """Whether a bucket's gradients go through :meth:`prepare` at all (else they are stepped as they are)."""
+        return self._transforms or self.grad_multiplier is not None
 
     # -- per training step --------------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -121,6 +146,8 @@ class GradPolicy:
             self._found_inf.add_(found)  # the scaler only needs "any"
             if self.overflow_mode == "per_bucket" and found.item():
                 ok = False
+        if self.grad_multiplier is not None:
+            _mul(grads, self.grad_multiplier)
         norms = None
         if self.track_norm or self.nonfinite != "ignore" or (self.max_grad_norm and self.clip_mode == "per_parameter"):
             norms = torch._foreach_norm(grads, self.norm_type)
@@ -225,9 +252,9 @@ def _by_device(grads: list[torch.Tensor], inv_scale: torch.Tensor):
         yield device_grads, inv_scale.to(device)
 
 
-def _mul(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+def _mul(grads: list[torch.Tensor], coef: torch.Tensor | float) -> None:
     for g in grads:
-        g.mul_(coef.to(g.device))
+        g.mul_(coef.to(g.device) if isinstance(coef, torch.Tensor) else coef)
 
 
 def _clamp(grads: list[torch.Tensor], value: float) -> None:

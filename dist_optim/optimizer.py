@@ -404,6 +404,26 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._policy_options = options
         self._policy = policy
 
+    def set_grad_multiplier(self, multiplier: float | torch.Tensor | None) -> None:
+        """Multiply every gradient by ``multiplier`` before it is checked, clipped and stepped, from the next step
+        on until set again (``None``: no scaling). It is what a loop that sums ``loss * num_tokens`` and then
+        scales the gradients by ``1 / num_tokens`` before clipping does (torchtune's recipes); set it any time
+        before the backward that steps, e.g. once the window's token count is known.
+
+        Raises:
+            ValueError: ``multiplier`` is not a finite number or a one-element floating tensor.
+            RuntimeError: called during a backward.
+        """
+        if torch._C._current_graph_task_id() != -1:
+            raise RuntimeError("set_grad_multiplier() was called during a backward; call it between two steps")
+        multiplier = GradPolicy.check_multiplier(multiplier)
+        self._policy_options["grad_multiplier"] = self._engine.policy.grad_multiplier = multiplier
+
+    @property
+    def grad_multiplier(self) -> float | torch.Tensor | None:
+        """The multiplier set by :meth:`set_grad_multiplier` (``None``: none)."""
+        return self._policy_options.get("grad_multiplier")
+
     def _check_still_single_process(self) -> None:
         """Once per backward: plain tensors accepted before a process group existed must not now step locally."""
         try:

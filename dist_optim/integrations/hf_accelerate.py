@@ -1,0 +1,96 @@
+"""``InBackwardAccelerator``: an ``accelerate.Accelerator`` whose ``accumulate()`` and clipping calls drive the
+``InBackwardOptimizer`` it prepared: backwards that do not sync only accumulate, and ``clip_grad_norm_`` /
+``clip_grad_value_`` return what the optimizer did inside backward, or raise when it did something else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from dist_optim.integrations._common import accumulating, check_norm_clip, check_value_clip, owner_of, unwrap
+from dist_optim.optimizer import InBackwardOptimizer
+
+__all__ = ["InBackwardAccelerator"]
+
+
+class InBackwardAccelerator(Accelerator):
+    """An ``Accelerator`` for ``InBackwardOptimizer`` s passed to :meth:`prepare`; arguments as ``Accelerator``.
+
+    - ``accelerator.backward(loss)`` while ``accelerator.sync_gradients`` is ``False`` (inside ``accumulate()``
+      before the window's last micro-batch, including a short last window at the end of the data loader) only
+      accumulates: the window's last backward steps on the sum, where ``optimizer.step()`` would.
+    - ``clip_grad_norm_(params, max_norm)`` returns the norm the optimizer measured inside backward. The clipping
+      itself must already be set on the optimizer (``max_grad_norm=max_norm``, ``clip_mode="exact"``), since the
+      step ran before this call; otherwise it raises, naming the fix. ``max_norm=inf`` only measures (it needs
+      ``track_grad_norm=True`` or a ``max_grad_norm``).
+    - ``clip_grad_value_(params, clip_value)`` checks the optimizer's ``max_grad_value`` in the same way.
+
+    Parameters that no prepared ``InBackwardOptimizer`` steps go through ``Accelerator`` unchanged.
+
+    Example:
+        >>> import torch, dist_optim
+        >>> from dist_optim.integrations.hf_accelerate import InBackwardAccelerator
+        >>> accelerator = InBackwardAccelerator(cpu=True, gradient_accumulation_steps=2)
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = dist_optim.InBackwardOptimizer(model, torch.optim.AdamW, lr=1e-2, max_grad_norm=1.0)
+        >>> model, opt = accelerator.prepare(model, opt)
+        >>> for x in torch.randn(4, 2, 4):
+        ...     with accelerator.accumulate(model):
+        ...         accelerator.backward(model(x).square().mean())  # steps on every 2nd micro-batch
+        ...         if accelerator.sync_gradients:
+        ...             norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)  # the real pre-clip norm
+        ...         opt.step()
+        ...         opt.zero_grad()
+        >>> bool(norm > 0)
+        True
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_backward: list[InBackwardOptimizer] = []
+
+    def prepare(self, *args: Any, **kwargs: Any) -> Any:
+        for obj in args:
+            opt = unwrap(obj)
+            if opt is not None and all(opt is not o for o in self._in_backward):
+                self._in_backward.append(opt)
+        return super().prepare(*args, **kwargs)
+
+    @property
+    def in_backward_optimizers(self) -> tuple[InBackwardOptimizer, ...]:
+        """The ``InBackwardOptimizer`` s passed to :meth:`prepare`."""
+        return tuple(self._in_backward)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if self.sync_gradients or not self._in_backward:
+            return super().backward(loss, **kwargs)
+        with accumulating(self._in_backward):
+            return super().backward(loss, **kwargs)
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        parameters = list(parameters)
+        opt = owner_of(parameters, self._in_backward)
+        if opt is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        self._check_synced("clip_grad_norm_")
+        return check_norm_clip(opt, max_norm, norm_type, "accelerator.clip_grad_norm_")
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        parameters = list(parameters)
+        opt = owner_of(parameters, self._in_backward)
+        if opt is None:
+            return super().clip_grad_value_(parameters, clip_value)
+        self._check_synced("clip_grad_value_")
+        check_value_clip(opt, clip_value, "accelerator.clip_grad_value_")
+        return None
+
+    def _check_synced(self, caller: str) -> None:
+        if not self.sync_gradients:
+            raise RuntimeError(
+                f"accelerator.{caller}() was called on a micro-batch that only accumulates (sync_gradients is "
+                "False): the InBackwardOptimizer clips the window's summed gradients when it steps. Call it under "
+                "`if accelerator.sync_gradients:`"
+            )
