@@ -417,7 +417,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         if torch._C._current_graph_task_id() != -1:
             raise RuntimeError("set_grad_multiplier() was called during a backward; call it between two steps")
         multiplier = GradPolicy.check_multiplier(multiplier)
-        self._policy_options["grad_multiplier"] = self._engine.policy.grad_multiplier = multiplier
+        self._policy_options["grad_multiplier"] = self._policy.grad_multiplier = multiplier
 
     @property
     def grad_multiplier(self) -> float | torch.Tensor | None:
