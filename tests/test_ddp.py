@@ -1,8 +1,9 @@
 """DDP: the step runs from a communication hook, after each bucket's all-reduce, on the averaged gradient.
 
 Every scenario compares InBackwardOptimizer on a DDP model with the same DDP wrapping and the standard loop
-(``loss.backward(); opt.step(); opt.zero_grad()``), bitwise, on 2 (some on 4) real gloo ranks that feed different data. Each scenario is its own test, run by the
-session's group of ranks (tests/dist_runner.py): ``pytest -k "test_ddp and exact_clipping"`` runs one.
+(``loss.backward(); opt.step(); opt.zero_grad()``), bitwise, on 2 (some on 4) real gloo ranks that feed different
+data. Each scenario is its own test, run by the session's group of ranks (tests/dist_runner.py):
+``pytest -k "test_ddp and 2ranks/exact_clipping"`` runs one.
 """
 
 from __future__ import annotations
