@@ -8,6 +8,23 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+# -- constants shared by the test files (one place: change a setting here, every file follows) --------------------
+# Every optimizer setting names its kernel (fused= or foreach=) so that both sides of a bitwise comparison run the
+# same one: fused, foreach and for-loop kernels differ in the last bits on some CPUs (fused vs for-loop Adagrad on
+# AMD EPYC). See tests/README.md.
+ADAMW_HPARAMS = {"lr": 1e-2, "weight_decay": 0.1}  # for tests that choose the kernel themselves
+ADAMW = {**ADAMW_HPARAMS, "fused": True}
+SGD_MOMENTUM = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-2, "foreach": True}
+ADAGRAD = {"lr": 0.1, "foreach": True}
+WIDTH = 16  # make_model(width=WIDTH) in the distributed tests: room for 4 shards per tensor
+STEPS = 3  # optimizer steps per distributed parity scenario: enough for state (momentum, exp_avg) to matter
+WORLD_SIZES = (2, 4)  # ranks of the distributed parity suites (HSDP needs 4: 2 replicas x 2 shards)
+# A resume on another world size or wrapper changes the reduction order of the gradient mean: not bitwise.
+RESHARD_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+# Seconds one distributed scenario may take before the runner dumps the ranks' stacks and kills them. A scenario
+# takes 1-10 s; the margin is for a 2-core machine running `pytest -n 2` next to other work.
+SCENARIO_TIMEOUT = 180.0
+
 
 class MLP(nn.Module):
     def __init__(self, width: int = 8, depth: int = 3) -> None:

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from dist_optim import InBackwardOptimizer
-from helpers import assert_same_params, assert_same_state, batches, loss_of, twins
+from helpers import ADAMW, assert_same_params, assert_same_state, batches, loss_of, twins
 
-ADAMW = dict(lr=1e-2, weight_decay=0.1, fused=True)
 
 
 def _standard_accumulating(model, data, k, weights, **opt_kwargs):

@@ -21,9 +21,8 @@ from torch.optim.swa_utils import (
 from dist_optim import InBackwardOptimizer
 import dist_optim.averaging
 from dist_optim.averaging import average_in_backward
-from helpers import assert_same_params, batches, loss_of, make_model, twins
+from helpers import ADAMW, assert_same_params, batches, loss_of, make_model, twins
 
-ADAMW = dict(lr=1e-2, weight_decay=0.1, fused=True)
 ENGINES = [{}, {"bucket_cap_mb": 1e-4}, {"per_parameter": True}]
 ENGINE_IDS = ["one-bucket", "tiny-buckets", "per-parameter"]
 
@@ -155,8 +154,8 @@ def test_batchnorm_buffers_and_update_bn_match_standard(use_buffers, average):
 
 def test_swalr_on_the_facade_and_swa_from_a_later_epoch_match_standard():
     model, ref = twins()
-    opt = InBackwardOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9, bucket_cap_mb=1e-4)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = InBackwardOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9, foreach=True, bucket_cap_mb=1e-4)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=True)  # same kernel: bitwise
     scheds = [(torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=6), SWALR(o, swa_lr=0.02, anneal_epochs=2))
               for o in (opt, ref_opt)]
     avg, ref_avg = AveragedModel(model), AveragedModel(ref)
@@ -294,8 +293,8 @@ def remembered_n(request, monkeypatch):
 
 def test_state_dict_loaded_into_the_attached_averaged_model_is_followed(remembered_n):
     model, ref = twins()
-    opt = InBackwardOptimizer(model, torch.optim.SGD, lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = InBackwardOptimizer(model, torch.optim.SGD, lr=0.1, foreach=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, foreach=True)  # same kernel: bitwise
     avg, ref_avg = AveragedModel(model), AveragedModel(ref)
     empty = copy.deepcopy(avg.state_dict())  # n_averaged == 0
     average_in_backward(opt, avg, model)

@@ -19,12 +19,12 @@ from torch import nn
 import dist_optim
 from dist_optim.checkpoint import CheckpointError, CheckpointManager, Remap, load, save
 from helpers import assert_same_params, batches, loss_of, make_model
+from helpers import ADAMW_HPARAMS as ADAMW  # the kernel (fused=True) is named at each use
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="DCP needs torch.distributed")
 
 DATA = batches(8)
 HALF = 4
-ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
 
 
 def build(mode: str, seed: int = 0):

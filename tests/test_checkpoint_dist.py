@@ -4,37 +4,33 @@ Two runs that never stop are the references: FSDP2 on 2 ranks and DDP on 2 ranks
 saving a checkpoint half-way. Every resume pair then loads one of those checkpoints, finishes the run and is
 compared with the reference that wrote it: bitwise where the arithmetic is the same (same wrapper, same world
 size), else within a tight tolerance (a different world size changes the reduction order of the gradient mean).
-Each world size runs its scenarios in one spawned group (FileStore in tmp_path: parallel test workers never
-collide); failures are collected per scenario and reported together.
+Each scenario is its own test, run by the session's group of ranks (tests/dist_runner.py); the references are a
+module fixture, so ``pytest -k "test_checkpoint_dist and 4-ranks"`` runs alone.
 """
 
 from __future__ import annotations
 
 import copy
-import datetime
-import json
 import os
+import re
 import signal
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import dist_optim
 from dist_optim.checkpoint import CheckpointManager, load, save
-from helpers import make_model
+from dist_runner import RankDied, run_fresh
+from helpers import ADAMW, WIDTH, make_model
+from helpers import RESHARD_TOLERANCE as TOLERANCE
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
 
-WIDTH = 16
 ROWS = 12  # global batch: divisible by 1, 2, 3 and 4 ranks
 HALF = 3
-ADAMW = {"lr": 1e-2, "weight_decay": 0.1, "fused": True}
-TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,63 +205,45 @@ PHASES = {
 }
 
 
-def _worker(rank: int, world: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, f"store{world}"), world), rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
-    results: dict[str, str | None] = {}
-    try:
-        for name, scenario in PHASES[world].items():
-            try:
-                scenario(Path(tmp))
-                results[name] = None
-            except Exception as e:
-                results[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"
-            dist.barrier()
-    finally:
-        with open(os.path.join(tmp, f"results{world}-{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
+# run before every resume: the checkpoints and final parameters they load and compare with
+REFERENCES = ("fsdp2 uninterrupted", "ddp uninterrupted", "rng states saved per rank")
+SINGLE_PROCESS = {
+    "fsdp2 -> plain (1 process)": lambda tmp: resume("fsdp2", "plain", "in_backward", tmp, exact=False),
+    "ddp -> plain standard optimizer (1 process)": lambda tmp: resume("ddp", "plain", "standard", tmp, exact=False),
+}
 
 
-def _spawn(world: int, tmp: Path) -> dict[str, list[str]]:
-    mp.spawn(_worker, args=(world, str(tmp)), nprocs=world, join=True)
-    failures: dict[str, list[str]] = {}
-    for rank in range(world):
-        results = json.loads((tmp / f"results{world}-{rank}.json").read_text())
-        for name in PHASES[world]:
-            error = results.get(name, "did not run")
-            if error is not None:
-                failures.setdefault(name, []).append(f"[rank {rank}] {error}")
-    return failures
+def _phase(ctx, world: int, name: str, tmp: str) -> None:
+    PHASES[world][name](Path(tmp))
 
 
-def test_resume_across_world_sizes_wrappers_and_optimizer_kinds(tmp_path):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    failures: dict[str, list[str]] = {}
+@pytest.fixture(scope="module")
+def references(ranks, tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("checkpoints")
+    uninterrupted("plain", tmp)
+    for name in REFERENCES:
+        ranks.run(2, _phase, world=2, name=name, tmp=str(tmp))
+    return tmp
 
-    def single(name, fn):
-        try:
-            fn()
-        except Exception as e:
-            failures[name] = [f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"]
 
-    single("plain uninterrupted", lambda: uninterrupted("plain", tmp_path))
-    failures.update(_spawn(2, tmp_path))
-    single("fsdp2 -> plain (1 process)", lambda: resume("fsdp2", "plain", "in_backward", tmp_path, exact=False))
-    single("ddp -> plain standard optimizer (1 process)",
-           lambda: resume("ddp", "plain", "standard", tmp_path, exact=False))
-    failures.update(_spawn(3, tmp_path))
-    failures.update(_spawn(4, tmp_path))
-    assert not failures, f"{len(failures)} resume scenario(s) failed: " + ", ".join(failures) + "\n\n" + "\n".join(
-        f"== {name}\n" + "\n".join(errors) for name, errors in failures.items())
+RESUMES = [
+    pytest.param(world, name, id=re.sub(r"\W+", "-", name.replace("->", "to")).strip("-"))
+    for world, names in [(1, SINGLE_PROCESS), *PHASES.items()]
+    for name in names if name not in REFERENCES
+]
+
+
+@pytest.mark.parametrize("world, name", RESUMES)
+def test_resume_across_world_sizes_wrappers_and_optimizer_kinds(ranks, references, world, name):
+    if world == 1:
+        SINGLE_PROCESS[name](references)
+    else:
+        ranks.run(world, _phase, world=world, name=name, tmp=str(references))
 
 
 # -- a rank killed while a checkpoint is being written ---------------------------------------------------------------
-def _crashing_worker(rank: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 2), rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+def _crashing_worker(ctx, tmp: str) -> None:
+    rank = ctx.rank
     model, opt, sched = setup("fsdp2", "in_backward")
     manager = CheckpointManager(Path(tmp) / "ck", keep_last=1)
     train(model, opt, sched, "in_backward", range(2))
@@ -287,9 +265,8 @@ def _crashing_worker(rank: int, tmp: str) -> None:
 
 
 def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with pytest.raises(mp.ProcessExitedException, match="signal SIGKILL"):
-        mp.spawn(_crashing_worker, args=(str(tmp_path),), nprocs=2, join=True)
+    with pytest.raises(RankDied, match="rank 1: killed by signal SIGKILL"):
+        run_fresh(2, _crashing_worker, tmp=str(tmp_path))  # a group of its own: it patches FileSystemWriter
     assert (tmp_path / "ck" / "step_00000003.partial").is_dir()
     manager = CheckpointManager(tmp_path / "ck", keep_last=1)
     assert manager.latest() == tmp_path / "ck" / "step_00000002"

@@ -1,32 +1,30 @@
 """DDP: the step runs from a communication hook, after each bucket's all-reduce, on the averaged gradient.
 
 Every scenario compares InBackwardOptimizer on a DDP model with the same DDP wrapping and the standard loop
-(``loss.backward(); opt.step(); opt.zero_grad()``), bitwise, on 2 real gloo ranks that feed different data. All
-scenarios run inside one process group (start-up is the slow part); a failure lists every scenario that failed.
+(``loss.backward(); opt.step(); opt.zero_grad()``), bitwise, on 2 (some on 4) real gloo ranks that feed different
+data. Each scenario is its own test, run by the session's group of ranks (tests/dist_runner.py):
+``pytest -k "test_ddp and 2ranks/exact_clipping"`` runs one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import os
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dist_optim
-from helpers import batches, loss_of, make_model
+from helpers import ADAMW, STEPS, WIDTH, WORLD_SIZES, batches, loss_of, make_model
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
 
 OPTIMIZERS = {
-    "AdamW-fused": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, fused=True)),
+    "AdamW-fused": (torch.optim.AdamW, ADAMW),
     "Adam-foreach": (torch.optim.Adam, dict(lr=1e-2, foreach=True)),
     "SGD-momentum": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, foreach=True)),
     "Adagrad-fused": (torch.optim.Adagrad, dict(lr=0.1, fused=True)),
@@ -35,7 +33,7 @@ OPTIMIZERS = {
 
 
 def _pair(ddp_kwargs, ignore=()):
-    base = make_model(width=16)
+    base = make_model(width=WIDTH)
     wrapped = []
     for _ in range(2):
         module = copy.deepcopy(base)
@@ -57,8 +55,8 @@ def _check_equal(a, b, opt, ref_opt):
             assert torch.equal(sd["state"][k][key], v), f"state[{k}][{key}]"
 
 
-def _train(a, b, opt, ref_opt, rank, steps=3, micro=1, clip=None):
-    data = batches(steps * micro, width=16, seed=10 + rank)
+def _train(a, b, opt, ref_opt, rank, steps=STEPS, micro=1, clip=None):
+    data = batches(steps * micro, width=WIDTH, seed=10 + rank)
     norms = []
     for s in range(steps):
         for m in range(micro):
@@ -75,7 +73,7 @@ def _train(a, b, opt, ref_opt, rank, steps=3, micro=1, clip=None):
         ref_opt.step()
         ref_opt.zero_grad()
     assert all(norms), f"grad norms equal per step: {norms}"  # after the loop: a rank leaving early would hang
-    moved = make_model(width=16)
+    moved = make_model(width=WIDTH)
     assert any(not torch.equal(p, q) for p, q in zip(a.module.parameters(), moved.parameters()))
 
 
@@ -84,7 +82,7 @@ class Branchy(nn.Module):
     unused everywhere at step 0 and again at step 2, after it has optimizer state), ``alternate`` by one rank per
     step. ``static=True`` keeps only the usage that does not change with the step (for ``static_graph``)."""
 
-    def __init__(self, static: bool = False, width: int = 16) -> None:
+    def __init__(self, static: bool = False, width: int = WIDTH) -> None:
         super().__init__()
         self.static = static
         self.trunk = nn.Linear(width, width)
@@ -113,7 +111,7 @@ def _unused_pair(static=False, **ddp_kwargs):
 
 def _train_unused(a, b, opt, ref_opt, rank, steps=4, micro=1, clip=None):
     never = a.module.never.weight.detach().clone()
-    data = batches(steps * micro, width=16, seed=10 + rank)
+    data = batches(steps * micro, width=WIDTH, seed=10 + rank)
     norms = []
     for s in range(steps):
         for m in range(micro):
@@ -131,169 +129,92 @@ def _train_unused(a, b, opt, ref_opt, rank, steps=4, micro=1, clip=None):
     assert torch.equal(a.module.never.weight, never)  # the scenario has a parameter unused everywhere
 
 
-def _scenarios(rank):
-    for name, (cls, kwargs) in OPTIMIZERS.items():
-        for view in (False, True):
-            def run(cls=cls, kwargs=kwargs, view=view):
-                a, b = _pair(dict(gradient_as_bucket_view=view, bucket_cap_mb=0.002))
-                opt = dist_optim.InBackwardOptimizer(a, cls, **kwargs)
-                ref_opt = cls(b.named_parameters(), **kwargs)
-                _train(a, b, opt, ref_opt, rank)
-                _check_equal(a, b, opt, ref_opt)
-
-            yield f"{name}/bucket_view={view}", run
-
-    cls, kwargs = OPTIMIZERS["AdamW-fused"]
-
-    def static_graph():
-        a, b = _pair(dict(static_graph=True, bucket_cap_mb=0.002))
-        opt = dist_optim.InBackwardOptimizer(a, cls, **kwargs)
-        ref_opt = cls(b.named_parameters(), **kwargs)
-        _train(a, b, opt, ref_opt, rank, steps=4)
-        _check_equal(a, b, opt, ref_opt)
-
-    def default_buckets():
-        a, b = _pair({})
-        opt = dist_optim.InBackwardOptimizer(a, cls, **kwargs)
-        ref_opt = cls(b.named_parameters(), **kwargs)
-        _train(a, b, opt, ref_opt, rank)
-        _check_equal(a, b, opt, ref_opt)
-
-    def no_sync_accumulation():
-        a, b = _pair(dict(bucket_cap_mb=0.002))
-        opt = dist_optim.InBackwardOptimizer(a, cls, **kwargs)
-        ref_opt = cls(b.named_parameters(), **kwargs)
-        _train(a, b, opt, ref_opt, rank, micro=3)
-        _check_equal(a, b, opt, ref_opt)
-
-    def ignored_parameters():  # DDP does not reduce them: both loops step them on the local gradient
-        a, b = _pair(dict(bucket_cap_mb=0.002), ignore=["head.weight", "head.bias"])
-        opt = dist_optim.InBackwardOptimizer(a, cls, **kwargs)
-        ref_opt = cls(b.named_parameters(), **kwargs)
-        _train(a, b, opt, ref_opt, rank)
-        _check_equal(a, b, opt, ref_opt)
-        heads = [torch.empty_like(a.module.head.weight) for _ in range(2)]
+def _parity(ctx, optimizer="AdamW-fused", ddp=None, ignore=(), compress=False, ib=None, unused=False,
+            static=False, steps=None, micro=1, clip=None):
+    """InBackwardOptimizer on one DDP copy, the standard loop on the other (same wrapping, same data per rank):
+    parameters and optimizer state bitwise equal. ``unused``: the Branchy model (``static`` usage only)."""
+    cls, kwargs = OPTIMIZERS[optimizer]
+    if unused:
+        a, b = _unused_pair(static, **(ddp or {}))
+    else:
+        a, b = _pair(ddp if ddp is not None else dict(bucket_cap_mb=0.002), ignore)
+    extra = dict(ib or {})
+    if compress:  # the hook's result is a new tensor, copied into DDP's bucket before the step
+        b.register_comm_hook(None, fp16_compress_hook)
+        extra["ddp_comm_hook"] = fp16_compress_hook
+    if clip is not None:
+        extra["max_grad_norm"] = clip
+    opt = dist_optim.InBackwardOptimizer(a, cls, **extra, **kwargs)
+    ref_opt = cls(b.named_parameters(), **kwargs)
+    train = _train_unused if unused else _train
+    train(a, b, opt, ref_opt, ctx.rank, steps=steps or (4 if unused or static else STEPS), micro=micro, clip=clip)
+    _check_equal(a, b, opt, ref_opt)
+    if ignore:  # DDP does not reduce them: both loops step them on the local gradient
+        heads = [torch.empty_like(a.module.head.weight) for _ in range(ctx.world)]
         dist.all_gather(heads, a.module.head.weight.detach())
         assert not torch.equal(heads[0], heads[1])  # local steps, as DDP's standard loop does
 
-    def compression_hook():
-        a, b = _pair(dict(bucket_cap_mb=0.002))
-        b.register_comm_hook(None, fp16_compress_hook)
-        opt = dist_optim.InBackwardOptimizer(a, cls, ddp_comm_hook=fp16_compress_hook, **kwargs)
-        ref_opt = cls(b.named_parameters(), **kwargs)
-        _train(a, b, opt, ref_opt, rank)
-        _check_equal(a, b, opt, ref_opt)
 
-    def exact_clipping():
-        a, b = _pair(dict(bucket_cap_mb=0.002))
-        opt = dist_optim.InBackwardOptimizer(a, cls, max_grad_norm=0.05, **kwargs)
-        ref_opt = cls(b.named_parameters(), **kwargs)
-        _train(a, b, opt, ref_opt, rank, clip=0.05)
-        _check_equal(a, b, opt, ref_opt)
+def _refusals(ctx):
+    cls, kwargs = OPTIMIZERS["AdamW-fused"]
+    a, _ = _pair({})
+    with pytest.raises(NotImplementedError, match="accumulation_steps > 1 with DDP.*no_sync"):
+        dist_optim.InBackwardOptimizer(a, cls, accumulation_steps=2, **kwargs)
+    with pytest.raises(RuntimeError, match="Pass the DDP-wrapped model itself"):
+        dist_optim.InBackwardOptimizer(a.parameters(), cls, **kwargs)
+    with pytest.raises(RuntimeError, match="un-reduced gradient"):  # the seed function, before wrapping
+        dist_optim.apply_optimizer_in_backward(cls, make_model().parameters(), {"lr": 0.1})
+    opt = dist_optim.InBackwardOptimizer(a, cls, **kwargs)
+    with pytest.raises(RuntimeError, match="accumulate with `with model.no_sync\\(\\):`"):
+        with opt.no_step():
+            loss_of(a, batches(1, width=WIDTH)[0]).backward()
+    with pytest.raises(NotImplementedError, match="cannot detach from a DistributedDataParallel model"):
+        opt.remove()
 
-    def refusals():
-        a, _ = _pair({})
-        with pytest.raises(NotImplementedError, match="accumulation_steps > 1 with DDP.*no_sync"):
-            dist_optim.InBackwardOptimizer(a, cls, accumulation_steps=2, **kwargs)
-        with pytest.raises(RuntimeError, match="Pass the DDP-wrapped model itself"):
-            dist_optim.InBackwardOptimizer(a.parameters(), cls, **kwargs)
-        with pytest.raises(RuntimeError, match="un-reduced gradient"):  # the seed function, before wrapping
-            dist_optim.apply_optimizer_in_backward(cls, make_model().parameters(), {"lr": 0.1})
-        opt = dist_optim.InBackwardOptimizer(a, cls, **kwargs)
-        with pytest.raises(RuntimeError, match="accumulate with `with model.no_sync\\(\\):`"):
-            with opt.no_step():
-                loss_of(a, batches(1, width=16)[0]).backward()
-        with pytest.raises(NotImplementedError, match="cannot detach from a DistributedDataParallel model"):
-            opt.remove()
 
+def _scenarios():
+    """(id, function, kwargs, world sizes) of every scenario."""
+    both = WORLD_SIZES
+    for name in OPTIMIZERS:
+        for view in (False, True):
+            four = (name, view) in {("AdamW-fused", False), ("SGD-momentum", True)}
+            yield (f"{name}/bucket_view-{view}", _parity,
+                   dict(optimizer=name, ddp=dict(gradient_as_bucket_view=view, bucket_cap_mb=0.002)),
+                   both if four else (2,))
     for name in ("AdamW-fused", "SGD-momentum", "Adam-foreach"):
         for view in (False, True):
-            def unused(cls=OPTIMIZERS[name][0], kwargs=OPTIMIZERS[name][1], view=view):
-                a, b = _unused_pair(find_unused_parameters=True, gradient_as_bucket_view=view)
-                opt = dist_optim.InBackwardOptimizer(a, cls, **kwargs)
-                ref_opt = cls(b.named_parameters(), **kwargs)
-                _train_unused(a, b, opt, ref_opt, rank)
-                _check_equal(a, b, opt, ref_opt)
-
-            yield f"find_unused/{name}/bucket_view={view}", unused
-
+            four = (name, view) in {("AdamW-fused", True), ("SGD-momentum", False)}
+            yield (f"find_unused/{name}/bucket_view-{view}", _parity,
+                   dict(optimizer=name, unused=True, ddp=dict(find_unused_parameters=True,
+                                                              gradient_as_bucket_view=view)),
+                   both if four else (2,))
     for find_unused in (False, True):
-        def unused_static(find_unused=find_unused):
-            a, b = _unused_pair(static=True, static_graph=True, find_unused_parameters=find_unused)
-            opt = dist_optim.InBackwardOptimizer(a, cls, **kwargs)
-            ref_opt = cls(b.named_parameters(), **kwargs)
-            _train_unused(a, b, opt, ref_opt, rank)
-            _check_equal(a, b, opt, ref_opt)
-
-        yield f"static_graph/find_unused={find_unused}/unused_parameters", unused_static
-
-    def unused_no_sync():
-        a, b = _unused_pair(find_unused_parameters=True)
-        opt = dist_optim.InBackwardOptimizer(a, cls, **kwargs)
-        ref_opt = cls(b.named_parameters(), **kwargs)
-        _train_unused(a, b, opt, ref_opt, rank, steps=3, micro=2)
-        _check_equal(a, b, opt, ref_opt)
-
-    def unused_clipping():
-        a, b = _unused_pair(find_unused_parameters=True)
-        opt = dist_optim.InBackwardOptimizer(a, cls, max_grad_norm=0.05, **kwargs)
-        ref_opt = cls(b.named_parameters(), **kwargs)
-        _train_unused(a, b, opt, ref_opt, rank, clip=0.05)
-        _check_equal(a, b, opt, ref_opt)
-
-    def unused_compression():  # the hook's result is a new tensor, copied into DDP's bucket before the step
-        a, b = _unused_pair(find_unused_parameters=True, gradient_as_bucket_view=True)
-        b.register_comm_hook(None, fp16_compress_hook)
-        opt = dist_optim.InBackwardOptimizer(a, cls, ddp_comm_hook=fp16_compress_hook, **kwargs)
-        ref_opt = cls(b.named_parameters(), **kwargs)
-        _train_unused(a, b, opt, ref_opt, rank)
-        _check_equal(a, b, opt, ref_opt)
-
-    yield "find_unused/no_sync_accumulation", unused_no_sync
-    yield "find_unused/fp16_compress_hook", unused_compression
-    yield "find_unused/exact_clipping", unused_clipping
-    yield "static_graph", static_graph
-    yield "default_buckets", default_buckets
-    yield "no_sync_accumulation", no_sync_accumulation
-    yield "ignored_parameters", ignored_parameters
-    yield "fp16_compress_hook", compression_hook
-    yield "exact_clipping", exact_clipping
-    yield "refusals", refusals
+        yield (f"static_graph/find_unused-{find_unused}/unused_parameters", _parity,
+               dict(unused=True, static=True, ddp=dict(static_graph=True, find_unused_parameters=find_unused)), (2,))
+    unused = dict(unused=True, ddp=dict(find_unused_parameters=True))
+    yield "find_unused/no_sync_accumulation", _parity, dict(unused, steps=3, micro=2), (2,)
+    yield ("find_unused/fp16_compress_hook", _parity,
+           dict(unused=True, compress=True, ddp=dict(find_unused_parameters=True, gradient_as_bucket_view=True)), (2,))
+    yield "find_unused/exact_clipping", _parity, dict(unused, clip=0.05), (2,)
+    yield "static_graph", _parity, dict(ddp=dict(static_graph=True, bucket_cap_mb=0.002), steps=4), (2,)
+    yield "default_buckets", _parity, dict(ddp={}), (2,)
+    yield "no_sync_accumulation", _parity, dict(micro=3), both
+    yield "ignored_parameters", _parity, dict(ignore=("head.weight", "head.bias")), (2,)
+    yield "fp16_compress_hook", _parity, dict(compress=True), (2,)
+    yield "exact_clipping", _parity, dict(clip=0.05), (2,)
+    yield "refusals", _refusals, {}, (2,)
 
 
-FOUR_RANK_SCENARIOS = {
-    "AdamW-fused/bucket_view=False",
-    "SGD-momentum/bucket_view=True",
-    "no_sync_accumulation",
-    "find_unused/AdamW-fused/bucket_view=True",
-    "find_unused/SGD-momentum/bucket_view=False",
-}
+SCENARIOS = [
+    pytest.param(world, fn, kwargs, id=f"{world}ranks/{name}")
+    for name, fn, kwargs, worlds in _scenarios()
+    for world in worlds
+]
 
 
-def _worker(rank: int, world: int, store_path: str, result_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-    failures = []
-    try:
-        for name, run in _scenarios(rank):
-            if world == 4 and name not in FOUR_RANK_SCENARIOS:
-                continue
-            try:
-                run()
-            except Exception:  # collect, so that one failure does not hide the others
-                failures.append(f"{name}: {traceback.format_exc(limit=3)}")
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
-        f.write("\n".join(failures))
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_ddp_equals_the_standard_loop(tmp_path, world):
-    mp.spawn(_worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True)
-    failures = [(tmp_path / f"rank{r}.txt").read_text() for r in range(world)]
-    assert not any(failures), "failed DDP scenarios (name: traceback):\n" + "\n".join(failures)
+@pytest.mark.parametrize("world, scenario, kwargs", SCENARIOS)
+def test_ddp_equals_the_standard_loop(ranks, world, scenario, kwargs):
+    ranks.run(world, scenario, **kwargs)
 
 
 def test_refuses_a_torch_without_the_used_map():

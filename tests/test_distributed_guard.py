@@ -1,31 +1,32 @@
 """In a multi-rank job, plain hooks would step on local, un-reduced gradients: refused unless asked for.
 
-Real gloo process groups (2 ranks, FileStore in a temporary folder, so parallel test workers never collide).
+Real gloo process groups: 2 ranks of their own (tests/dist_runner.py), since the models are built before the
+process group exists.
 """
 
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import dist_optim
+from dist_runner import run_fresh
 from helpers import assert_same_params, batches, make_model, train_in_backward, train_standard
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
 
 
-def _worker(rank: int, world: int, store_path: str) -> None:
+def _worker(ctx) -> None:
+    rank, world = ctx.rank, ctx.world
     # Built in a single process, then the job becomes multi-rank (and the model would be wrapped in DDP, which
     # reduces after these hooks): the next backward must refuse instead of stepping on local gradients.
     early, early_seed = make_model(), make_model()
     early_opt = dist_optim.InBackwardOptimizer(early.parameters(), torch.optim.SGD, lr=0.1)
     dist_optim.apply_optimizer_in_backward(torch.optim.SGD, early_seed.parameters(), {"lr": 0.1})
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    ctx.init_process_group()
     try:
         for m in (early, early_seed):
             before = m.head.weight.detach().clone()
@@ -40,7 +41,8 @@ def _worker(rank: int, world: int, store_path: str) -> None:
             dist_optim.apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
         # Local SGD, asked for: each rank steps on its own data, exactly like a local standard loop.
         ref = copy.deepcopy(model)
-        opt = dist_optim.InBackwardOptimizer(model.parameters(), torch.optim.AdamW, allow_local_steps=True)
+        # fused on both sides (the engine's own choice, named here): bitwise needs the same kernel
+        opt = dist_optim.InBackwardOptimizer(model.parameters(), torch.optim.AdamW, allow_local_steps=True, fused=True)
         data = batches(3, seed=10 + rank)
         train_in_backward(model, data)
         train_standard(ref, torch.optim.AdamW(ref.parameters(), fused=True), data)
@@ -53,6 +55,5 @@ def _worker(rank: int, world: int, store_path: str) -> None:
         dist.destroy_process_group()
 
 
-def test_multi_rank_job_without_a_wrapper_is_refused(tmp_path):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
+def test_multi_rank_job_without_a_wrapper_is_refused():
+    run_fresh(2, _worker, init=False)

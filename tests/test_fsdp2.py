@@ -4,29 +4,23 @@ after FSDP2's reduce-scatter, and ends bitwise where the same FSDP2 model ends w
 Every scenario builds one model, shards two copies of it identically, trains one in backward and the other with
 ``loss.backward(); opt.step(); opt.zero_grad()`` (same optimizer, same ``fused``/``foreach`` implementation, each
 rank on its own data), and compares the full parameters and optimizer state (``full_tensor()``) with
-``torch.equal``. Starting a process group is the slow part, so each world size runs all its scenarios in one
-spawned gloo group (FileStore in ``tmp_path``, so parallel test workers never collide); every scenario's outcome
-is collected, and a failure names each scenario that failed with its reason.
+``torch.equal``. Each scenario is its own test, run by the session's group of ranks (tests/dist_runner.py):
+``pytest -k "test_fsdp2 and clip/previous_norm"`` runs one.
 """
 
 from __future__ import annotations
 
 import copy
-import datetime
 import io
-import json
-import os
-import traceback
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import dist_optim
-from helpers import batches, loss_of, make_model
+from helpers import ADAGRAD, ADAMW, SGD_MOMENTUM, STEPS, WIDTH, batches, loss_of, make_model
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
 
@@ -35,16 +29,11 @@ if dist.is_available():
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
-WIDTH = 16
-STEPS = 3
 TINY_BUCKETS = 1e-3  # MiB: a few shards per bucket, so buckets complete (and step) in the middle of backward
 N_PARAMS = 10  # make_model(width=WIDTH): 3 layers x (weight, bias), LayerNorm (weight, bias), head (weight, bias)
 
 # name, class, options; both sides run the implementation named in the options (torch has fused kernels for
 # DTensors only for Adam and AdamW, and no fused RMSprop at all)
-ADAMW = {"lr": 1e-2, "weight_decay": 0.1, "fused": True}
-SGD_MOMENTUM = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-2, "foreach": True}
-ADAGRAD = {"lr": 0.1, "foreach": True}
 OPTIMIZERS = [
     ("AdamW-fused", torch.optim.AdamW, ADAMW),
     ("Adam-fused", torch.optim.Adam, {"lr": 1e-2, "fused": True}),
@@ -341,17 +330,16 @@ def _refuse_fsdp1(ctx) -> None:
 
 
 # -- the scenarios, per world size --------------------------------------------------------------------------------
-def _two_rank_scenarios() -> dict[str, Callable]:
-    s: dict[str, Callable] = {}
+def _two_rank_scenarios() -> list[tuple[str, Callable, dict]]:
+    s: list[tuple[str, Callable, dict]] = []
     for name, cls, kw in OPTIMIZERS:
-        s[f"{name}/root-only"] = lambda c, cls=cls, kw=kw: _parity(c, cls, kw, nested=False)
-        s[f"{name}/nested"] = lambda c, cls=cls, kw=kw: _parity(c, cls, kw)
+        s.append((f"{name}/root-only", _parity, dict(cls=cls, kwargs=kw, nested=False)))
+        s.append((f"{name}/nested", _parity, dict(cls=cls, kwargs=kw)))
     # a class outside dist_optim's elementwise list is stepped as DTensors, not on the local shards
-    s["AdamW-subclass/stepped-as-DTensors"] = lambda c: _parity(c, DTensorPathAdamW, ADAMW)
+    s.append(("AdamW-subclass/stepped-as-DTensors", _parity, dict(cls=DTensorPathAdamW, kwargs=ADAMW)))
     # DTensor has no fused Adagrad kernel: the default implementation is probed on a DTensor and falls back
-    s["Adagrad/default-implementation=foreach"] = lambda c: _parity(
-        c, torch.optim.Adagrad, {"lr": 0.1}, ref_kwargs={"lr": 0.1, "foreach": True}
-    )
+    s.append(("Adagrad/default-implementation-foreach", _parity,
+              dict(cls=torch.optim.Adagrad, kwargs={"lr": 0.1}, ref_kwargs={"lr": 0.1, "foreach": True})))
     # the in-backward default implementation (no flag given) is the fused/foreach one named on the reference
     for name, cls, kw, impl in [
         ("AdamW", torch.optim.AdamW, {"lr": 1e-2}, "fused"),
@@ -359,124 +347,72 @@ def _two_rank_scenarios() -> dict[str, Callable]:
         ("SGD-momentum", torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, "foreach"),
         ("RMSprop", torch.optim.RMSprop, {"lr": 1e-2}, "foreach"),
     ]:
-        s[f"{name}/default-implementation={impl}"] = lambda c, cls=cls, kw=kw, impl=impl: _parity(
-            c, cls, kw, ref_kwargs={**kw, impl: True}
-        )
-    s["AdamW/one-bucket(default-cap)"] = lambda c: _parity(c, torch.optim.AdamW, ADAMW, ib={"bucket_cap_mb": 4})
-    s["AdamW/per_parameter"] = lambda c: _parity(c, torch.optim.AdamW, ADAMW, ib={"per_parameter": True})
-    s["AdamW/unchanged-standard-loop"] = lambda c: _parity(c, torch.optim.AdamW, ADAMW, standard_calls=True)
+        s.append((f"{name}/default-implementation-{impl}", _parity,
+                  dict(cls=cls, kwargs=kw, ref_kwargs={**kw, impl: True})))
+    adamw = dict(cls=torch.optim.AdamW, kwargs=ADAMW)
+    sgd = dict(cls=torch.optim.SGD, kwargs=SGD_MOMENTUM)
+    s.append(("AdamW/one-bucket-default-cap", _parity, dict(adamw, ib={"bucket_cap_mb": 4})))
+    s.append(("AdamW/per_parameter", _parity, dict(adamw, ib={"per_parameter": True})))
+    s.append(("AdamW/unchanged-standard-loop", _parity, dict(adamw, standard_calls=True)))
     no_reshard = {"reshard_after_forward": False}
-    s["AdamW/reshard_after_forward=False"] = lambda c: _parity(c, torch.optim.AdamW, ADAMW, fsdp=no_reshard)
-    s["SGD/reshard_after_forward=False/root-only"] = lambda c: _parity(
-        c, torch.optim.SGD, SGD_MOMENTUM, nested=False, fsdp=no_reshard
-    )
+    s.append(("AdamW/reshard_after_forward-False", _parity, dict(adamw, fsdp=no_reshard)))
+    s.append(("SGD/reshard_after_forward-False/root-only", _parity, dict(sgd, nested=False, fsdp=no_reshard)))
     bf16 = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-    s["AdamW/mixed-precision-bf16"] = lambda c: _parity(c, torch.optim.AdamW, ADAMW, fsdp=bf16)
-    s["Adagrad/mixed-precision-bf16/root-only"] = lambda c: _parity(
-        c, torch.optim.Adagrad, ADAGRAD, nested=False, fsdp=bf16
-    )
-    s["AdamW/accumulate-set_requires_gradient_sync"] = lambda c: _parity(
-        c, torch.optim.AdamW, ADAMW, micro=3, accumulate="sync"
-    )
-    s["SGD/accumulate-set_requires_gradient_sync/root-only"] = lambda c: _parity(
-        c, torch.optim.SGD, SGD_MOMENTUM, nested=False, micro=2, accumulate="sync"
-    )
-    s["AdamW/accumulate-no_step"] = lambda c: _parity(c, torch.optim.AdamW, ADAMW, micro=3, accumulate="no_step")
-    s["AdamW/accumulate-no_step/mixed-precision-bf16"] = lambda c: _parity(
-        c, torch.optim.AdamW, ADAMW, fsdp=bf16, micro=2, accumulate="no_step"
-    )
-    s["clip/max_grad_norm-exact"] = lambda c: _norm_parity(c, ib={"max_grad_norm": 0.05}, reference=_clip_exact)
-    s["clip/track_grad_norm"] = lambda c: _norm_parity(c, ib={"track_grad_norm": True}, reference=_track_only)
-    s["clip/per_parameter"] = lambda c: _norm_parity(
-        c, ib={"max_grad_norm": 0.05, "clip_mode": "per_parameter"}, reference=_clip_per_parameter
-    )
-    s["clip/previous_norm"] = lambda c: _norm_parity(
-        c, ib={"max_grad_norm": 0.05, "clip_mode": "previous_norm"}, reference=_clip_previous_norm
-    )
-    s["clip/max_grad_value"] = lambda c: _norm_parity(c, ib={"max_grad_value": 0.01}, reference=_clip_value)
+    s.append(("AdamW/mixed-precision-bf16", _parity, dict(adamw, fsdp=bf16)))
+    s.append(("Adagrad/mixed-precision-bf16/root-only", _parity,
+              dict(cls=torch.optim.Adagrad, kwargs=ADAGRAD, nested=False, fsdp=bf16)))
+    s.append(("AdamW/accumulate-set_requires_gradient_sync", _parity, dict(adamw, micro=3, accumulate="sync")))
+    s.append(("SGD/accumulate-set_requires_gradient_sync/root-only", _parity,
+              dict(sgd, nested=False, micro=2, accumulate="sync")))
+    s.append(("AdamW/accumulate-no_step", _parity, dict(adamw, micro=3, accumulate="no_step")))
+    s.append(("AdamW/accumulate-no_step/mixed-precision-bf16", _parity,
+              dict(adamw, fsdp=bf16, micro=2, accumulate="no_step")))
+    s.append(("clip/max_grad_norm-exact", _norm_parity, dict(ib={"max_grad_norm": 0.05}, reference=_clip_exact)))
+    s.append(("clip/track_grad_norm", _norm_parity, dict(ib={"track_grad_norm": True}, reference=_track_only)))
+    s.append(("clip/per_parameter", _norm_parity,
+              dict(ib={"max_grad_norm": 0.05, "clip_mode": "per_parameter"}, reference=_clip_per_parameter)))
+    s.append(("clip/previous_norm", _norm_parity,
+              dict(ib={"max_grad_norm": 0.05, "clip_mode": "previous_norm"}, reference=_clip_previous_norm)))
+    s.append(("clip/max_grad_value", _norm_parity, dict(ib={"max_grad_value": 0.01}, reference=_clip_value)))
     for source, target in [("in-backward", "in-backward"), ("standard", "in-backward"), ("in-backward", "standard")]:
-        s[f"state_dict/{source}->{target}"] = lambda c, source=source, target=target: _round_trip(
-            c, source=source, target=target
-        )
-    s["seed-api/SGD-momentum-foreach"] = lambda c: _seed_api(c, torch.optim.SGD, SGD_MOMENTUM)
-    s["seed-api/AdamW-fused"] = lambda c: _seed_api(c, torch.optim.AdamW, ADAMW)
-    s["refused/accumulation_steps=2"] = _refuse_accumulation_steps
-    s["refused/plain-model"] = _refuse_plain_model
-    s["refused/root-not-sharded"] = _refuse_partly_sharded
-    s["refused/FSDP1"] = _refuse_fsdp1
+        s.append((f"state_dict/{source}-to-{target}", _round_trip, dict(source=source, target=target)))
+    s.append(("seed-api/SGD-momentum-foreach", _seed_api, dict(sgd)))
+    s.append(("seed-api/AdamW-fused", _seed_api, dict(adamw)))
+    s.append(("refused/accumulation_steps-2", _refuse_accumulation_steps, {}))
+    s.append(("refused/plain-model", _refuse_plain_model, {}))
+    s.append(("refused/root-not-sharded", _refuse_partly_sharded, {}))
+    s.append(("refused/FSDP1", _refuse_fsdp1, {}))
     return s
 
 
-def _four_rank_scenarios() -> dict[str, Callable]:
-    s: dict[str, Callable] = {}
-    s["HSDP/AdamW-fused/nested"] = lambda c: _parity(c, torch.optim.AdamW, ADAMW)
-    s["HSDP/SGD-momentum-foreach/root-only"] = lambda c: _parity(c, torch.optim.SGD, SGD_MOMENTUM, nested=False)
-    s["HSDP/AdamW/accumulate-set_requires_gradient_sync"] = lambda c: _parity(
-        c, torch.optim.AdamW, ADAMW, micro=2, accumulate="sync"
-    )
-    s["HSDP/AdamW/accumulate-no_step"] = lambda c: _parity(c, torch.optim.AdamW, ADAMW, micro=2, accumulate="no_step")
-    s["HSDP/clip/max_grad_norm-exact"] = lambda c: _norm_parity(c, ib={"max_grad_norm": 0.05}, reference=_clip_exact)
-    return s
+def _four_rank_scenarios() -> list[tuple[str, Callable, dict]]:
+    adamw = dict(cls=torch.optim.AdamW, kwargs=ADAMW)
+    return [
+        ("HSDP/AdamW-fused/nested", _parity, adamw),
+        ("HSDP/SGD-momentum-foreach/root-only", _parity,
+         dict(cls=torch.optim.SGD, kwargs=SGD_MOMENTUM, nested=False)),
+        ("HSDP/AdamW/accumulate-set_requires_gradient_sync", _parity, dict(adamw, micro=2, accumulate="sync")),
+        ("HSDP/AdamW/accumulate-no_step", _parity, dict(adamw, micro=2, accumulate="no_step")),
+        ("HSDP/clip/max_grad_norm-exact", _norm_parity, dict(ib={"max_grad_norm": 0.05}, reference=_clip_exact)),
+    ]
 
 
-# suite -> (world size, scenarios)
-SUITES = {
-    "fsdp2": (2, _two_rank_scenarios),
-    "hsdp": (4, _four_rank_scenarios),
-}
+def _on_mesh(ctx, scenario: Callable, **kwargs) -> None:
+    """Runs on each rank: the scenario gets its rank and the mesh of its world size (HSDP on 4 ranks)."""
+    if ctx.world == 4:
+        mesh = ctx.cached("hsdp-mesh", lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    else:
+        mesh = ctx.cached("fsdp-mesh", lambda: init_device_mesh("cpu", (ctx.world,)))
+    scenario({"rank": ctx.rank, "world": ctx.world, "mesh": mesh}, **kwargs)
 
 
-def _worker(rank: int, suite: str, store_path: str, out_dir: str) -> None:
-    world, scenarios = SUITES[suite]
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(store_path, world),
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),  # a rank stuck in a collective fails instead of hanging
-    )
-    results: dict[str, str | None] = {}
-    try:
-        if world == 4:
-            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))  # HSDP
-        else:
-            mesh = init_device_mesh("cpu", (world,))
-        ctx = {"rank": rank, "world": world, "mesh": mesh}
-        for name, scenario in scenarios().items():
-            try:
-                scenario(ctx)
-                results[name] = None
-            except (Exception, pytest.fail.Exception) as e:  # pytest.raises' "DID NOT RAISE" is no Exception
-                results[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"
-            dist.barrier()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
+SCENARIOS = [
+    pytest.param(world, fn, kwargs, id=f"{world}ranks/{name}")
+    for world, table in ((2, _two_rank_scenarios), (4, _four_rank_scenarios)) if dist.is_available()
+    for name, fn, kwargs in table()
+]
 
 
-def _run(suite: str, tmp_path) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    world, scenarios = SUITES[suite]
-    mp.spawn(_worker, args=(suite, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True)
-    expected = list(scenarios())
-    failures: dict[str, list[str]] = {}
-    for rank in range(world):
-        with open(tmp_path / f"rank{rank}.json") as f:
-            results = json.load(f)
-        for name in expected:
-            error = results.get(name, "did not run")
-            if error is not None:
-                failures.setdefault(name, []).append(f"[rank {rank}] {error}")
-    assert not failures, f"{len(failures)} of {len(expected)} FSDP2 scenarios failed on {world} ranks: " + ", ".join(
-        failures
-    ) + "\n\n" + "\n".join(f"== {name}\n" + "\n".join(errors) for name, errors in failures.items())
-
-
-def test_fsdp2_two_ranks_equals_the_standard_loop(tmp_path):
-    _run("fsdp2", tmp_path)
-
-
-def test_hsdp_four_ranks_equals_the_standard_loop(tmp_path):
-    _run("hsdp", tmp_path)
+@pytest.mark.parametrize("world, scenario, kwargs", SCENARIOS)
+def test_fsdp2_equals_the_standard_loop(ranks, world, scenario, kwargs):
+    ranks.run(world, _on_mesh, scenario=scenario, **kwargs)

@@ -9,9 +9,8 @@ import torch
 from torch import nn
 
 from dist_optim import InBackwardOptimizer
-from helpers import assert_same_params, assert_same_state, batches, loss_of, make_model, twins
+from helpers import ADAMW, assert_same_params, assert_same_state, batches, loss_of, make_model, twins
 
-ADAMW = dict(lr=1e-2, weight_decay=0.1, fused=True)
 SMALL_BUCKETS = dict(bucket_cap_mb=1e-4)  # several buckets, so the per-bucket logic is exercised
 
 
@@ -19,9 +18,10 @@ SMALL_BUCKETS = dict(bucket_cap_mb=1e-4)  # several buckets, so the per-bucket l
 def test_grad_norm_is_the_value_clip_grad_norm_returns(norm_type):
     model, ref = twins()
     opt = InBackwardOptimizer(
-        model.parameters(), torch.optim.SGD, lr=0.1, track_grad_norm=True, grad_norm_type=norm_type, **SMALL_BUCKETS
+        model.parameters(), torch.optim.SGD, lr=0.1, foreach=True, track_grad_norm=True, grad_norm_type=norm_type,
+        **SMALL_BUCKETS,
     )
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, foreach=True)  # same kernel as the in-backward side
     for batch in batches(3):
         loss_of(model, batch).backward()
         loss_of(ref, batch).backward()

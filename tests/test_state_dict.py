@@ -12,6 +12,7 @@ from torch import nn, optim
 
 from dist_optim import InBackwardOptimizer
 from helpers import (
+    ADAMW,
     assert_same_params,
     assert_same_state,
     batches,
@@ -22,7 +23,6 @@ from helpers import (
     twins,
 )
 
-ADAMW = dict(lr=1e-2, weight_decay=0.1, fused=True)
 
 
 def roundtrip(obj):
@@ -34,7 +34,7 @@ def roundtrip(obj):
 
 @pytest.mark.parametrize(
     "cls,kwargs",
-    [(optim.AdamW, ADAMW), (optim.SGD, dict(lr=0.1, momentum=0.9)), (optim.Adagrad, dict(lr=0.1, fused=True))],
+    [(optim.AdamW, ADAMW), (optim.SGD, dict(lr=0.1, momentum=0.9, foreach=True)), (optim.Adagrad, dict(lr=0.1, fused=True))],
     ids=["AdamW", "SGD", "Adagrad"],
 )
 def test_state_dict_has_the_wrapped_optimizers_format_with_every_parameter(cls, kwargs):
