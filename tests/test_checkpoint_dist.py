@@ -11,6 +11,7 @@ module fixture, so ``pytest -k "test_checkpoint_dist and 4-ranks"`` runs alone.
 from __future__ import annotations
 
 import copy
+import multiprocessing as mp
 import os
 import re
 import signal
