@@ -350,6 +350,12 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         return tuple(tuple(b.params) for b in (*engine.buckets, *engine.comm_buckets.values()))
 
     @property
+    def optimizer_classes(self) -> tuple[type[torch.optim.Optimizer], ...]:
+        """The optimizer class that steps each param group (``optimizer_class`` unless the group carried its own
+        ``"optimizer_class"``), in ``param_groups`` order; checkpoints record it."""
+        return tuple(self._recipe.classes)
+
+    @property
     def accumulation_steps(self) -> int:
         """The configured ``accumulation_steps``: backwards per in-backward step."""
         return self._accumulation_steps

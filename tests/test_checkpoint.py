@@ -492,3 +492,35 @@ def test_a_full_disk_raises_a_checkpoint_error_and_leaves_no_staging_folder(tiny
     with pytest.raises(CheckpointError, match=r"saving .*ck failed: no space left on .*; the partial save was removed"):
         save(tiny_disk / "ck", model=model, optimizer=opt)
     assert list(tiny_disk.iterdir()) == []
+
+
+@pytest.mark.parametrize("saved,loaded", [("adamw", "sgd"), ("sgd", "adamw"), ("adamw", "muon_group")])
+def test_another_optimizer_class_is_refused_and_the_weights_alone_load(tmp_path, saved, loaded):
+    def build(model, kind):
+        if kind == "adamw":
+            return dist_optim.InBackwardOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
+        if kind == "sgd":
+            return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        matrices = [p for p in model.parameters() if p.ndim == 2]
+        rest = [p for p in model.parameters() if p.ndim != 2]
+        return dist_optim.InBackwardOptimizer(
+            [{"params": rest}, {"params": matrices, "optimizer_class": torch.optim.SGD, "lr": 0.1}],
+            torch.optim.AdamW, **ADAMW)
+
+    model = make_model()
+    opt = build(model, saved)
+    for batch in batches(2):
+        loss_of(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    save(tmp_path / "ckpt", model=model, optimizer=opt)
+    target = make_model(seed=3)
+    target_opt = build(target, loaded)
+    before = copy.deepcopy(target_opt.state_dict())
+    with pytest.raises(CheckpointError, match=r"param group \d was saved by torch\.optim\.\w+\.\w+ and would be loaded"
+                                              r" into torch\.optim\.\w+\.\w+.*load the weights only"):
+        load(tmp_path / "ckpt", model=target, optimizer=target_opt)
+    assert target_opt.state_dict()["param_groups"] == before["param_groups"] and not target_opt.state
+    assert_same_params(target, make_model(seed=3))  # refused before anything was transferred
+    load(tmp_path / "ckpt", model=target)  # the opt-in: weights only
+    assert_same_params(target, model)

@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from .._inputs import is_dtensor
+from ..optimizer import InBackwardOptimizer
 from ._names import canonical_names
 from ._request import LoadRequest, SaveRequest
+from ._storage import CheckpointError
 from ._transfer import Snapshot, Source
 
 __all__: list[str] = []
@@ -25,6 +27,9 @@ IMPLEMENTATION_KEYS = frozenset({"foreach", "fused", "capturable", "differentiab
 # The key of ``state_dict()`` where InBackwardOptimizer keeps the plain data its next step needs (the previous
 # norm of clip_mode="previous_norm"); a standard optimizer's ``load_state_dict`` ignores it.
 IN_BACKWARD_KEY = "in_backward"
+# The key, in each saved param group, of the class that stepped it: state and hyperparameters mean something only
+# to that class.
+OPTIMIZER_CLASS_KEY = "optimizer_class"
 
 
 def param_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -45,13 +50,23 @@ def param_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[lis
     return out
 
 
+def group_classes(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The qualified name of the class that steps each param group: an InBackwardOptimizer's inner classes, else the
+    optimizer's own class."""
+    if isinstance(optimizer, InBackwardOptimizer):
+        per_group = optimizer.optimizer_classes
+    else:
+        per_group = (type(optimizer),) * len(optimizer.param_groups)
+    return [f"{c.__module__}.{c.__qualname__}" for c in per_group]
+
+
 def collect(req: SaveRequest, snap: Snapshot) -> None:
     optimizer = req.objects.optimizer
     if optimizer is None:
         return
     names = param_names(req.objects.module, optimizer)
     groups, values = [], {}
-    for group_names, g in zip(names, optimizer.param_groups):
+    for group_names, g, cls in zip(names, optimizer.param_groups, group_classes(optimizer)):
         for name, p in zip(group_names, g["params"]):
             for key, v in optimizer.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0 or is_dtensor(v):
@@ -60,7 +75,8 @@ def collect(req: SaveRequest, snap: Snapshot) -> None:
                     snap.tensors[f"optim/{name}/{key}"] = v.detach().clone()  # scalar ("step"): a snapshot
                 else:
                     values.setdefault(name, {})[key] = v
-        groups.append({**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": group_names})
+        groups.append({**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": group_names,
+                       OPTIMIZER_CLASS_KEY: cls})
     saved = {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}", "param_groups": groups,
              "values": values}
     in_backward = optimizer.state_dict().get(IN_BACKWARD_KEY)
@@ -91,8 +107,16 @@ def plan(req: LoadRequest, src: Source) -> Callable[[], None] | None:
     state: dict[int, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
     index = 0
-    for row, g in zip(names, optimizer.param_groups):
+    for gi, (row, g, cls) in enumerate(zip(names, optimizer.param_groups, group_classes(optimizer))):
         sources = [mapping[t] for t in row if t in mapping]
+        saved_cls = saved["param_groups"][saved_group_of[sources[0]]].get(OPTIMIZER_CLASS_KEY) if sources else None
+        if saved_cls is not None and saved_cls != cls:  # checkpoints from before the key was written: unchecked
+            raise CheckpointError(
+                f"{req.path}: param group {gi} was saved by {saved_cls} and would be loaded into {cls}: its state "
+                "and hyperparameters mean nothing to another optimizer class. Build the optimizer with the saved "
+                "class, or load the weights only (load(path, model=model) without optimizer=) and start the "
+                "optimizer afresh"
+            )
         for t, p in zip(row, g["params"]):
             s = mapping.get(t)
             if s is not None:
@@ -105,7 +129,8 @@ def plan(req: LoadRequest, src: Source) -> Callable[[], None] | None:
                     state[index] = entry
             index += 1
         saved_group = saved["param_groups"][saved_group_of[sources[0]]] if sources else {}
-        hyper = {k: v for k, v in saved_group.items() if k not in IMPLEMENTATION_KEYS and k != "params"}
+        hyper = {k: v for k, v in saved_group.items()
+                 if k not in IMPLEMENTATION_KEYS and k not in ("params", OPTIMIZER_CLASS_KEY)}
         start = index - len(row)
         groups.append({**{k: v for k, v in g.items() if k != "params"}, **hyper, "params": list(range(start, index))})
     state_dict: dict[str, Any] = {"state": state, "param_groups": groups}

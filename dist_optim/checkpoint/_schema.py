@@ -68,6 +68,9 @@ def _check_optimizer(c: _Checker, opt: Any) -> None:
                 if c.need(isinstance(name, str), f"{where}.params[{k}]", "a str (a parameter name)", name):
                     c.need(name not in seen, f"{where}.params[{k}]", "a name listed once", name)
                     seen.add(name)
+        if "optimizer_class" in g:
+            c.need(isinstance(g["optimizer_class"], str), f"{where}.optimizer_class", "a str (a class's qualified name)",
+                   g["optimizer_class"])
         for key in _NON_NEGATIVE:
             if key in g:
                 c.need(_is_number(g[key]) and g[key] >= 0, f"{where}.{key}", "a number >= 0", g[key])
