@@ -1,7 +1,8 @@
-"""The one way tests run code on several gloo ranks: a group of spawned ranks that runs named scenario functions on
-request, each under a timeout. A rank's exception is raised again in the test (with the rank's traceback); a hung
-rank is named, its stack dumped (faulthandler) and every rank of the group killed. Groups live for the test session
-(process start and ``import torch`` are the slow part) and are replaced after any failure. Usage: tests/README.md.
+"""The one way tests run code on several gloo ranks (NCCL ranks, one GPU each, with ``backend="nccl"``): a group of
+spawned ranks that runs named scenario functions on request, each under a timeout. A rank's exception is raised
+again in the test (with the rank's traceback); a hung rank is named, its stack dumped (faulthandler) and every rank
+of the group killed. Groups live for the test session (process start and ``import torch`` are the slow part) and
+are replaced after any failure. Usage: tests/README.md.
 """
 
 from __future__ import annotations
@@ -36,13 +37,17 @@ class RankContext:
     world: int
     store_path: str
     cache: dict = field(default_factory=dict)  # per-rank objects a scenario may reuse (a device mesh, ...)
+    backend: str = "gloo"  # "nccl": rank r runs on cuda:r
 
     def init_process_group(self) -> None:
         """For ``run_fresh(..., init=False)``: a scenario that must do something before the group exists."""
+        import torch
         import torch.distributed as dist
 
+        if self.backend == "nccl":  # NCCL needs one device per rank, chosen before the communicator exists
+            torch.cuda.set_device(self.rank)
         dist.init_process_group(
-            "gloo", store=dist.FileStore(self.store_path, self.world), rank=self.rank, world_size=self.world,
+            self.backend, store=dist.FileStore(self.store_path, self.world), rank=self.rank, world_size=self.world,
             # longer than the runner's timeout: the runner, not gloo, reports a hang, with each rank's stack
             timeout=datetime.timedelta(seconds=4 * SCENARIO_TIMEOUT),
         )
@@ -74,14 +79,15 @@ class _RemoteTraceback(Exception):
         return self.text
 
 
-def _rank_main(rank: int, world: int, store_path: str, conn: Connection, dump_path: str, init: bool) -> None:
+def _rank_main(rank: int, world: int, store_path: str, conn: Connection, dump_path: str, init: bool,
+               backend: str) -> None:
     import torch
 
     torch.set_num_threads(1)
     dump = open(dump_path, "w")
     if hasattr(signal, "SIGUSR1"):  # the test process asks for every thread's stack when a scenario hangs
         faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
-    ctx = RankContext(rank, world, store_path)
+    ctx = RankContext(rank, world, store_path, backend=backend)
     if init:
         ctx.init_process_group()
     conn.send(("ok", "ready"))
@@ -114,9 +120,9 @@ def _name(fn: Callable, kwargs: dict) -> str:
 
 
 class Group:
-    """``world`` spawned ranks. ``init=True`` joins them in a gloo process group at start."""
+    """``world`` spawned ranks. ``init=True`` joins them in a process group of ``backend`` at start."""
 
-    def __init__(self, world: int, *, init: bool = True) -> None:
+    def __init__(self, world: int, *, init: bool = True, backend: str = "gloo") -> None:
         self.world = world
         self._dir = Path(tempfile.mkdtemp(prefix=f"dist_runner_{world}_"))  # own FileStore: parallel workers never meet
         context = mp.get_context("spawn")
@@ -126,7 +132,7 @@ class Group:
         for r in range(world):
             parent, child = context.Pipe()
             proc = context.Process(
-                target=_rank_main, args=(r, world, str(self._dir / "store"), child, str(self._dumps[r]), init),
+                target=_rank_main, args=(r, world, str(self._dir / "store"), child, str(self._dumps[r]), init, backend),
                 name=f"rank{r}", daemon=True,
             )
             proc.start()
@@ -243,13 +249,14 @@ def _exit(code: int | None) -> str:
 class Pool:
     """One live group per world size, kept for the session (the ``ranks`` fixture in conftest.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, backend: str = "gloo") -> None:
+        self.backend = backend
         self._groups: dict[int, Group] = {}
 
     def run(self, world: int, fn: Callable, /, timeout: float = SCENARIO_TIMEOUT, **kwargs) -> list:
         group = self._groups.get(world)
         if group is None or group.broken:
-            group = self._groups[world] = Group(world)
+            group = self._groups[world] = Group(world, backend=self.backend)
         return group.run(fn, timeout, **kwargs)
 
     def close(self) -> None:
@@ -259,11 +266,12 @@ class Pool:
         self._groups.clear()
 
 
-def run_fresh(world: int, fn: Callable, /, timeout: float = SCENARIO_TIMEOUT, *, init: bool = True, **kwargs) -> list:
+def run_fresh(world: int, fn: Callable, /, timeout: float = SCENARIO_TIMEOUT, *, init: bool = True,
+              backend: str = "gloo", **kwargs) -> list:
     """Run one scenario on a group of its own, closed afterwards: for a scenario that kills a rank, patches a
     library function, or must run code before ``init_process_group`` (``init=False``; it calls
     ``ctx.init_process_group()`` itself)."""
-    group = Group(world, init=init)
+    group = Group(world, init=init, backend=backend)
     try:
         return group.run(fn, timeout, **kwargs)
     finally:
