@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every CUDA check of dist_optim in one run, for a GPU machine (about 5 minutes on one H200; under 8 by the
+# Every CUDA check of dist_optim in one run, for a GPU machine (a few minutes, not yet measured; under 8 by the
 # per-step timeouts): the tests in tests/gpu (one process; DDP and FSDP2 on NCCL, 1 rank per GPU; FSDP2 with
 # CPUOffloadPolicy) and the CUDA variants of the benchmarks. Results (logs, JUnit XML, JSON) go to $OUT if set,
 # else ./gpu-results. A failing step does not stop the others; the script fails at the end if any step did.
@@ -97,11 +97,13 @@ if r := load("bench_core_cuda.json"):
     for model, res in r["models"].items():
         ratios = ", ".join(f"{k} {v['paired_median']:.3f}" for k, v in res["ratios"].items())
         saving = res["saving"]["inbackward"]["fraction"]
-        print(f"bench_core {model}: time ratios {ratios}; peak saving {saving} of theoretical")
+        print(f"bench_core {model}: time ratios {ratios}; peak saving "
+              f"{'n/a' if saving is None else f'{saving:.3f}'} of theoretical")
 if r := load("bench_distributed_cuda.json"):
     for key, s in r["summary"].items():
-        print(f"bench_distributed {key}: time ratio per rank {s['time_ratio_paired']}, saved/held "
-              f"{s['saving_fraction_of_held']}, bitwise {s['params_bitwise_equal']}")
+        fmt = lambda xs: " ".join("n/a" if x is None else f"{x:.3f}" for x in xs)  # noqa: E731
+        print(f"bench_distributed {key}: time ratio per rank {fmt(s['time_ratio_paired'])}, saved/held "
+              f"{fmt(s['saving_fraction_of_held'])}, bitwise {s['params_bitwise_equal']}")
 EOF
 
 echo

@@ -1,21 +1,23 @@
-"""DDP and FSDP2 on NCCL: in-backward fused AdamW against the standard loop, bitwise (both sides run the same
+"""DDP, FSDP2 and HSDP on NCCL: in-backward fused AdamW against the standard loop, bitwise (both sides run the same
 reduction and the same fused kernel), over many steps, with a stress mode and FSDP2's CPUOffloadPolicy.
 
 Where the CUDA streams matter: DDP's comm hook returns a CUDA future completed by the NCCL stream; FSDP2 allocates
 the reduce-scatter output on its reduce-scatter stream, views each sharded gradient into it and runs the
-post-accumulate-grad hooks under its post-reduce stream; with CPUOffloadPolicy the hooks read a CPU gradient that
-FSDP2 copies synchronously because hooks exist. A gradient freed while a queued kernel still reads it, or read
-before its reduction is done, shows as a difference from the standard loop; the stress mode (many equal small
-layers, the GPU held behind the CPU by a spin kernel) makes the allocator's reuse of such a block likely.
+post-accumulate-grad hooks under its post-reduce stream, which under HSDP is the all-reduce stream (another stream
+than the one that owns the gradient's memory: the case where a gradient freed without a stream record is reused
+first); with CPUOffloadPolicy the hooks read a CPU gradient that FSDP2 copies synchronously because hooks exist. A
+gradient freed while a queued kernel still reads it, or read before its reduction is done, shows as a difference
+from the standard loop; the stress mode (many equal small layers, the GPU held behind the CPU by a spin kernel)
+makes the allocator's reuse of such a block likely.
 
 How the ranks adapt to the machine: NCCL runs one rank per GPU, so the 2-rank cases need 2 GPUs. With one GPU the
-same scenarios run on 1 NCCL rank: DDP still buckets and reduces through its comm hook on the NCCL stream (a
-1-rank all-reduce is still an asynchronous NCCL call with a CUDA future), and FSDP2 still copies into a
-reduce-scatter buffer, allocates its output on the reduce-scatter stream and calls the hooks under the post-reduce
-stream, though it skips the collective. Two gloo ranks sharing one GPU are not used: gloo takes CUDA tensors for a
-few collectives only (not FSDP2's reduce-scatter) and stages them through host copies, not the NCCL streams whose
-ordering is under test. Skipped without CUDA and NCCL (CPU CI): test_ddp.py and test_fsdp2.py run the same
-comparisons on gloo.
+same scenarios run on 1 NCCL rank: DDP still buckets and reduces through its comm hook on the NCCL stream (a 1-rank
+all-reduce is still an asynchronous NCCL call with a CUDA future), and FSDP2 still copies into a reduce-scatter
+buffer, allocates its output on the reduce-scatter stream and calls the hooks under the post-reduce stream, though
+it skips the collective; HSDP on a 1 x 1 mesh still all-reduces on its all-reduce stream. Two gloo ranks sharing one
+GPU are not used: gloo takes CUDA tensors for a few collectives only (not FSDP2's reduce-scatter) and stages them
+through host copies, not the NCCL streams whose ordering is under test. Skipped without CUDA and NCCL (CPU CI):
+test_ddp.py and test_fsdp2.py run the same comparisons on gloo.
 """
 
 from __future__ import annotations
@@ -70,7 +72,10 @@ def _parity(ctx, wrapper: str, stress: bool, offload: bool = False) -> int:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-        mesh = init_device_mesh(device.type, (ctx.world,))
+        if wrapper == "hsdp":  # replicas of one shard: the hooks run under FSDP2's all-reduce stream
+            mesh = init_device_mesh(device.type, (ctx.world, 1), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(device.type, (ctx.world,))
         options = {"mesh": mesh, "offload_policy": CPUOffloadPolicy()} if offload else {"mesh": mesh}
         for m in (a, b):
             for layer in m.layers:
@@ -89,7 +94,7 @@ def _parity(ctx, wrapper: str, stress: bool, offload: bool = False) -> int:
         ref.zero_grad()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    local = (lambda t: t.to_local()) if wrapper == "fsdp2" else (lambda t: t)
+    local = (lambda t: t) if wrapper == "ddp" else (lambda t: t.to_local())
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(local(p), local(q)), \
             f"{wrapper} rank {ctx.rank}: {name} differs, max |diff| {(local(p) - local(q)).abs().max().item()}"
@@ -99,11 +104,11 @@ def _parity(ctx, wrapper: str, stress: bool, offload: bool = False) -> int:
 
 
 @pytest.mark.parametrize("stress", [False, True], ids=["plain", "stress"])
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2", "hsdp"])
 @pytest.mark.parametrize("n", WORLDS)
 def test_in_backward_equals_standard_loop_on_nccl(nccl_ranks, n, wrapper, stress):
     stepped = nccl_ranks.run(n, _parity, wrapper=wrapper, stress=stress)
-    if wrapper == "ddp":  # every rank steps every parameter with the averaged gradient
+    if wrapper != "fsdp2":  # every rank steps every parameter (HSDP: its one shard) with the averaged gradient
         assert len(set(stepped)) == 1, stepped
 
 
