@@ -63,14 +63,18 @@ class Reductions(Protocol):
 
 
 class _Bucket:
-    __slots__ = ("indices", "params", "size", "arrived", "inners")
+    __slots__ = ("indices", "params", "size", "arrived", "inners", "nbytes_each", "nbytes", "cuda")
 
-    def __init__(self, indices: list[int], params: list[torch.Tensor], inners: list[InnerOptimizer]) -> None:
+    def __init__(self, indices: list[int], params: list[torch.Tensor], inners: list[InnerOptimizer],
+                 nbytes_each: list[int]) -> None:
         self.indices = indices
         self.params = params
         self.size = len(params)
         self.arrived = 0
         self.inners = inners  # one per optimizer class among the bucket's groups
+        self.nbytes_each = nbytes_each  # per tensor: its (local) gradient's bytes
+        self.nbytes = sum(nbytes_each)
+        self.cuda = any(p.is_cuda for p in params)  # whether the CUDA stream rule applies when it frees gradients
 
 
 class _Backward:
@@ -170,9 +174,7 @@ class Engine:
             bw = self._begin(tid, i)
         if not bw.steps:
             return  # a micro-batch that accumulates: the gradient stays in .grad
-        bw.live_bytes += self.nbytes[i]
-        if bw.live_bytes > bw.peak_bytes:
-            bw.peak_bytes = bw.live_bytes
+        bw.live_bytes += self.nbytes[i]  # its peak is taken where gradients are freed
         b = self.bucket_of[i]
         if b is None:
             self._learn(i, bw)
@@ -201,11 +203,10 @@ class Engine:
                 if old is not None:
                     self.comm_buckets.pop(old, None)
                 self.comm_key_of[i] = key
-            b = self.comm_buckets[key] = _Bucket(indices, list(params), self._inner_optimizers(indices))
+            b = self.comm_buckets[key] = _Bucket(indices, list(params), self._inner_optimizers(indices),
+                                                 [self.nbytes[i] for i in indices])
         bw = self.backward
         bw.live_bytes += sum(self.nbytes[i] for i, p in zip(b.indices, b.params) if p.grad is not None)
-        if bw.live_bytes > bw.peak_bytes:
-            bw.peak_bytes = bw.live_bytes
         self.settle(b, bw)
 
     def _begin(self, tid: int, first: int | None) -> _Backward:
@@ -217,7 +218,7 @@ class Engine:
             self.backward = refused = _Backward(tid, last.task, True, None)
             refused.learning = [first] if first is not None else []
             raise RuntimeError(compiled_autograd_message())
-        nested, roots = _backward_frames()
+        nested, roots = _backward_frames(want_roots=not self.arrival_checked)
         if tid == last.previous_task or nested:
             _refuse_nested_backward()
         if not last.ended:
@@ -324,7 +325,8 @@ class Engine:
 
     def _close_learned(self, bw: _Backward) -> None:
         indices, bw.learning, bw.learning_bytes = bw.learning, [], 0
-        b = _Bucket(indices, [self.params[i] for i in indices], self._inner_optimizers(indices))
+        b = _Bucket(indices, [self.params[i] for i in indices], self._inner_optimizers(indices),
+                    [self.nbytes[i] for i in indices])
         for i in indices:
             self.bucket_of[i] = b
         self.buckets.append(b)
@@ -363,7 +365,7 @@ class Engine:
             self._step(b, bw)
             return
         bw.policy.stats.params_skipped += len(present)
-        self._free(b, bw)
+        self._free(b, bw, len(present) == b.size)
 
     def _step(self, b: _Bucket, bw: _Backward) -> None:
         if not bw.began:
@@ -379,28 +381,29 @@ class Engine:
         bw.stepped += len(stepped)
         self.owner.bucket_stepped(stepped)
         if bw.frees_grads:
-            self._free(b, bw)
+            self._free(b, bw, len(stepped) == b.size)
         stats = bw.policy.stats
         stats.params_stepped += len(stepped)
         stats.step_time_s += time.perf_counter() - t0
 
-    def _free(self, b: _Bucket, bw: _Backward) -> None:
-        """Drop the bucket's gradients (the step that read them was just queued on the current stream)."""
-        freed = 0
+    def _free(self, b: _Bucket, bw: _Backward, full: bool) -> None:
+        """Drop the bucket's gradients (the step that read them was just queued on the current stream); ``full``:
+        every tensor of the bucket has one."""
+        if bw.live_bytes > bw.peak_bytes:
+            bw.peak_bytes = bw.live_bytes
+        bw.live_bytes -= b.nbytes if full else sum(n for n, p in zip(b.nbytes_each, b.params) if p.grad is not None)
         # CUDA stream rule: a gradient may have been allocated on another stream than the one that ran the step
         # (FSDP2's reduce-scatter stream, DDP's bucket). Dropping it lets the caching allocator hand its block to
         # its allocation stream while the step's kernels may still read it, unless the block is recorded on the
         # stream that ran them. Which stream allocated it is not cheaply known; the default stream never differs
         # in the cases above, so record whenever the step ran elsewhere. On CPU there are no streams.
-        record = b.params[0].is_cuda and torch.cuda.current_stream() != torch.cuda.default_stream()
-        for i, p in zip(b.indices, b.params):
-            g = p.grad
-            if g is not None:
-                if record:
-                    (g.to_local() if is_dtensor(g) else g).record_stream(torch.cuda.current_stream())
-                freed += self.nbytes[i]
-                p.grad = None
-        bw.live_bytes -= freed
+        if b.cuda and torch.cuda.current_stream() != torch.cuda.default_stream():
+            stream = torch.cuda.current_stream()
+            for p in b.params:
+                if p.grad is not None:
+                    (p.grad.to_local() if is_dtensor(p.grad) else p.grad).record_stream(stream)
+        for p in b.params:
+            p.grad = None
 
     def _end_of_backward(self, tid: int) -> None:
         bw = self.backward
@@ -420,7 +423,7 @@ class Engine:
         self._settle_held(bw)
         bw.ended = True
         self.incomplete = False
-        bw.policy.stats.grad_bytes_peak = max(bw.peak_bytes, self.at_once_bytes)
+        bw.policy.stats.grad_bytes_peak = max(bw.peak_bytes, bw.live_bytes, self.at_once_bytes)
         self.owner.step_ends(bw.began)
 
     def step_standard(self, parts: list[tuple[int, list[torch.Tensor]]]) -> bool:
@@ -428,7 +431,8 @@ class Engine:
         ``parts`` (group index, tensors: the owner's current groups) form one bucket, settled as a whole step.
         Returns whether it stepped; the caller ends the step (``policy.end``, post hooks)."""
         params = [p for _, ps in parts for p in ps]
-        b = _Bucket(list(range(len(params))), params, self.recipe.build([(gi, False, ps) for gi, ps in parts]))
+        b = _Bucket(list(range(len(params))), params, self.recipe.build([(gi, False, ps) for gi, ps in parts]),
+                    [0] * len(params))  # its gradients are kept: nothing is counted
         policy = self.owner.grad_policy()
         bw = _Backward(-1, -1, True, policy, frees_grads=False)
         policy.begin()
@@ -449,7 +453,7 @@ def _was_partial(b: _Bucket, last: _Backward) -> bool:
     return b.arrived > 0 or any(b is held for held, _ in last.held)
 
 
-def _backward_frames() -> tuple[bool, list[torch.Tensor] | None]:
+def _backward_frames(want_roots: bool) -> tuple[bool, list[torch.Tensor] | None]:
     """Read once per backward from this thread's stack: whether the running backward was launched from an autograd
     Function's backward (a reentrant checkpoint: a backward entry point called, indirectly, by
     ``BackwardCFunction.apply``), and the tensors it started from (``None`` if not found). A backward whose
@@ -460,7 +464,7 @@ def _backward_frames() -> tuple[bool, list[torch.Tensor] | None]:
         code = frame.f_code
         if code.co_name == "_engine_run_backward" and code.co_filename.endswith(_GRAPH_PY):
             if roots is None:
-                outputs = frame.f_locals.get("t_outputs")
+                outputs = frame.f_locals.get("t_outputs") if want_roots else None
                 roots = list(outputs) if isinstance(outputs, (list, tuple)) else []
         elif roots is not None and code.co_name == "apply" and code.co_filename.endswith(_FUNCTION_PY):
             return True, roots

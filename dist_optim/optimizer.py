@@ -167,9 +167,11 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                 )
         elif ddp_comm_hook is not None:
             raise ValueError("ddp_comm_hook is given but params is not a DistributedDataParallel model")
-        # the module whose parameters a backward may reach: one unfrozen after construction is never stepped
-        self._module = weakref.ref(params) if isinstance(params, nn.Module) else None
-        self._warned_unowned = False
+        # The module's parameters left out as frozen: one unfrozen later would never be stepped. Weak references,
+        # so that the optimizer keeps no more of the model alive than its own parameters.
+        self._frozen = [
+            (name, weakref.ref(p)) for name, p in params.named_parameters() if not p.requires_grad
+        ] if isinstance(params, nn.Module) else []
         if isinstance(params, nn.Module):
             check_sparse_modules(params, optimizer_class)
             params = module_params(params)
@@ -507,13 +509,11 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     def _check_unowned_grads(self) -> None:
         """Once per optimizer: a parameter of the module that no optimizer steps in backward (frozen at
         construction, unfrozen since) got a gradient, which would grow forever."""
-        module = self._module() if self._module is not None else None
-        if module is None or self._warned_unowned:
-            return
         index = self._engine.index_of
-        for name, p in module.named_parameters():
-            if p.grad is not None and id(p) not in index and not is_owned(p):
-                self._warned_unowned = True
+        for name, ref in self._frozen:
+            p = ref()
+            if p is not None and p.grad is not None and id(p) not in index and not is_owned(p):
+                self._frozen = []
                 warnings.warn(
                     f"parameter {name} got a gradient but no optimizer steps it (it did not require grad when this "
                     "optimizer was built, from the module): it is never trained and its .grad grows with every "
