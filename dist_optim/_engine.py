@@ -389,8 +389,7 @@ class Engine:
     def _free(self, b: _Bucket, bw: _Backward, full: bool) -> None:
         """Drop the bucket's gradients (the step that read them was just queued on the current stream); ``full``:
         every tensor of the bucket has one."""
-        if bw.live_bytes > bw.peak_bytes:
-            bw.peak_bytes = bw.live_bytes
+        bw.peak_bytes = max(bw.peak_bytes, bw.live_bytes)
         bw.live_bytes -= b.nbytes if full else sum(n for n, p in zip(b.nbytes_each, b.params) if p.grad is not None)
         # CUDA stream rule: a gradient may have been allocated on another stream than the one that ran the step
         # (FSDP2's reduce-scatter stream, DDP's bucket). Dropping it lets the caching allocator hand its block to

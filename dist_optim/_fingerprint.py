@@ -30,12 +30,11 @@ def _describe(value: Any) -> str:
     return type(value).__qualname__  # an object (a GradScaler): only its kind can be compared
 
 
-def options_of(opt: Any, bucket_cap_mb: float, per_parameter: bool, accumulation_steps: int) -> dict[str, str]:
-    """The options that must agree across ranks, as comparable strings, keyed by where they are set."""
+def options_of(opt: Any, accumulation_steps: int) -> dict[str, str]:
+    """The options that must agree across ranks (those that change the arithmetic or run a collective), as
+    comparable strings, keyed by where they are set. Bucketing is left out: it changes no result."""
     options = {
         "optimizer_class": _describe(opt._optimizer_class),
-        "bucket_cap_mb": _describe(bucket_cap_mb),
-        "per_parameter": _describe(per_parameter),
         "accumulation_steps": _describe(accumulation_steps),
     }
     for name, value in opt._policy_options.items():
@@ -47,16 +46,14 @@ def options_of(opt: Any, bucket_cap_mb: float, per_parameter: bool, accumulation
     return options
 
 
-def check_same_options(
-    opt: Any, group: Any, bucket_cap_mb: float, per_parameter: bool, accumulation_steps: int
-) -> None:
+def check_same_options(opt: Any, group: Any, accumulation_steps: int) -> None:
     """Raise on every rank if some option differs across the ranks of ``group`` (``None``: the default group).
 
     Collective: call on every rank of ``group``, once, at construction.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
-    options = options_of(opt, bucket_cap_mb, per_parameter, accumulation_steps)
+    options = options_of(opt, accumulation_steps)
     digest = hashlib.sha256(repr(sorted(options.items())).encode()).hexdigest()[:16]
     digests: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(digests, digest, group=group)

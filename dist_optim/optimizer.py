@@ -222,8 +222,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         try:
             super().__init__(groups, defaults)
             if ddp is not None or any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
-                check_same_options(self, ddp.process_group if ddp is not None else None, bucket_cap_mb,
-                                   per_parameter, accumulation_steps)
+                check_same_options(self, ddp.process_group if ddp is not None else None, accumulation_steps)
             if reductions is not None:
                 reductions.attach(self._engine)
                 self._ddp_hook = reductions

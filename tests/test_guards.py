@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import warnings
@@ -16,11 +17,11 @@ from helpers import assert_same_params, batches, loss_of, make_model, train_stan
 LAYER_BYTES = (8 * 8 + 8) * 4  # one hidden Linear's gradients, float32
 
 
+@contextlib.contextmanager
 def _no_warnings():
-    w = warnings.catch_warnings()
-    w.__enter__()
-    warnings.simplefilter("error")
-    return w
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield
 
 
 # -- a. several stepping backwards between two step() calls ---------------------------------------------------
@@ -39,11 +40,8 @@ def test_accumulation_written_for_a_standard_optimizer_is_reported_once():
     with pytest.warns(UserWarning, match=r"3 backwards each ran a full optimizer step.*made 3 optimizer steps "
                                          r"instead of one.*accumulation_steps=3.*opt.no_step\(\).*integrations"):
         _framework_loop(model, opt, batches(3), 3)
-    w = _no_warnings()
-    try:
+    with _no_warnings():
         _framework_loop(model, opt, batches(3, seed=2), 3)  # once per optimizer
-    finally:
-        w.__exit__(None, None, None)
 
 
 def test_strict_raises_and_the_right_setting_is_silent_and_equal_to_the_standard_loop():
@@ -55,11 +53,8 @@ def test_strict_raises_and_the_right_setting_is_silent_and_equal_to_the_standard
     opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, accumulation_steps=2, strict=True)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, foreach=True)
     data = batches(4)
-    w = _no_warnings()
-    try:
+    with _no_warnings():
         _framework_loop(model, opt, data, 2)
-    finally:
-        w.__exit__(None, None, None)
     _framework_loop(ref, ref_opt, data, 2)
     assert_same_params(model, ref)
 
@@ -135,11 +130,8 @@ def test_a_parameter_unfrozen_after_construction_is_named_once():
     model.layers[0].weight.requires_grad_(True)
     with pytest.warns(UserWarning, match=r"parameter layers.0.weight got a gradient but no optimizer steps it"):
         loss_of(model, batches(1)[0]).backward()
-    w = _no_warnings()
-    try:
+    with _no_warnings():
         loss_of(model, batches(1)[0]).backward()
-    finally:
-        w.__exit__(None, None, None)
     # Once given to an optimizer, it trains.
     opt.add_param_group({"params": [model.layers[0].weight]})
     model.layers[0].weight.grad = None
@@ -166,15 +158,21 @@ def test_a_set_of_parameters_is_refused_like_torch():
         InBackwardOptimizer([{"params": set(model.parameters())}], torch.optim.SGD, lr=0.1)
 
 
-def test_an_infinite_bucket_cap_is_one_bucket_equal_to_the_standard_loop():
+def _equal_to_fused_adamw(**options):
+    """Three in-backward AdamW steps with ``options`` equal the fused standard loop's; returns (model, optimizer)."""
     model, ref = make_model(), make_model()
-    opt = InBackwardOptimizer(model.parameters(), torch.optim.AdamW, bucket_cap_mb=math.inf)
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.AdamW, **options)
     ref_opt = torch.optim.AdamW(ref.parameters(), fused=True)
     data = batches(3)
     for batch in data:
         loss_of(model, batch).backward()
     train_standard(ref, ref_opt, data)
     assert_same_params(model, ref)
+    return model, opt
+
+
+def test_an_infinite_bucket_cap_is_one_bucket_equal_to_the_standard_loop():
+    model, opt = _equal_to_fused_adamw(bucket_cap_mb=math.inf)
     assert len(opt.buckets) == 1 and len(opt.buckets[0]) == len(list(model.parameters()))
     with pytest.raises(ValueError, match="bucket_cap_mb must be > 0, got nan"):
         InBackwardOptimizer(make_model().parameters(), torch.optim.AdamW, bucket_cap_mb=math.nan)
@@ -205,15 +203,8 @@ def test_the_stream_rule_is_a_no_op_on_cpu(monkeypatch):
         raise AssertionError("torch.cuda.current_stream() called for CPU gradients")
 
     monkeypatch.setattr(torch.cuda, "current_stream", no_streams_on_cpu)
-    model, ref = make_model(), make_model()
-    InBackwardOptimizer(model.parameters(), torch.optim.AdamW, bucket_cap_mb=LAYER_BYTES / 2**20)
-    ref_opt = torch.optim.AdamW(ref.parameters(), fused=True)
-    data = batches(2)
-    for batch in data:
-        loss_of(model, batch).backward()
-    train_standard(ref, ref_opt, data)
-    assert_same_params(model, ref)
-    assert all(p.grad is None for p in model.parameters())
+    model, opt = _equal_to_fused_adamw(bucket_cap_mb=LAYER_BYTES / 2**20)
+    assert len(opt.buckets) > 1 and all(p.grad is None for p in model.parameters())
 
 
 # -- b. compiled autograd --------------------------------------------------------------------------------------------
@@ -225,9 +216,11 @@ def test_compiled_autograd_is_refused_before_anything_steps_and_leaves_no_stale_
     opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
     data = batches(2)
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match=r"compiled autograd is on.*_enable.*Turn compiled autograd off"):
-        with compiled_autograd._enable(torch.compile(backend="eager")):
-            loss_of(model, data[0]).backward()
+    with (
+        pytest.raises(RuntimeError, match=r"compiled autograd is on.*_enable.*Turn compiled autograd off"),
+        compiled_autograd._enable(torch.compile(backend="eager")),
+    ):
+        loss_of(model, data[0]).backward()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert not opt.step_incomplete
     # The next (eager) backward drops what the refused one left and steps on its own gradients only.
@@ -238,10 +231,8 @@ def test_compiled_autograd_is_refused_before_anything_steps_and_leaves_no_stale_
     for p, q, b in zip(model.parameters(), ref.parameters(), before):
         if not torch.equal(p, b):  # the tensor whose fresh gradient was mixed with its stale one is not stepped
             torch.testing.assert_close(p, q, rtol=0, atol=0)
-    monkey = dynamo.config.compiled_autograd
-    dynamo.config.compiled_autograd = True
-    try:
-        with pytest.raises(RuntimeError, match=r"compiled autograd is on \(torch._dynamo.config.compiled_autograd"):
-            InBackwardOptimizer(make_model().parameters(), torch.optim.SGD, lr=0.1)
-    finally:
-        dynamo.config.compiled_autograd = monkey
+    with (
+        dynamo.config.patch(compiled_autograd=True),
+        pytest.raises(RuntimeError, match=r"compiled autograd is on \(torch._dynamo.config.compiled_autograd"),
+    ):
+        InBackwardOptimizer(make_model().parameters(), torch.optim.SGD, lr=0.1)
