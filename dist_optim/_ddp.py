@@ -124,6 +124,9 @@ class DDPCommHook:
             r = self.pending[0]
             if not (wait or r.fut.done()):
                 return
+            # On CUDA, Future.wait() makes the current stream wait on the reduction, so the step queued below on
+            # that stream reads the reduced bucket; the engine records the views on the current stream before
+            # dropping them (its stream rule), as it does for every gradient it frees.
             result = r.fut.wait()
             if isinstance(result, list):
                 result = result[0]

@@ -63,21 +63,25 @@ class Reductions(Protocol):
 
 
 class _Bucket:
-    __slots__ = ("indices", "params", "size", "arrived", "inners")
+    __slots__ = ("indices", "params", "size", "arrived", "inners", "nbytes_each", "nbytes", "cuda")
 
-    def __init__(self, indices: list[int], params: list[torch.Tensor], inners: list[InnerOptimizer]) -> None:
+    def __init__(self, indices: list[int], params: list[torch.Tensor], inners: list[InnerOptimizer],
+                 nbytes_each: list[int]) -> None:
         self.indices = indices
         self.params = params
         self.size = len(params)
         self.arrived = 0
         self.inners = inners  # one per optimizer class among the bucket's groups
+        self.nbytes_each = nbytes_each  # per tensor: its (local) gradient's bytes
+        self.nbytes = sum(nbytes_each)
+        self.cuda = any(p.is_cuda for p in params)  # whether the CUDA stream rule applies when it frees gradients
 
 
 class _Backward:
     """The state of one backward; the next backward starts a new one."""
 
     __slots__ = ("task", "previous_task", "steps", "policy", "frees_grads", "began", "held", "held_ok", "learning",
-                 "learning_bytes", "ended")
+                 "learning_bytes", "ended", "live_bytes", "peak_bytes", "stepped")
 
     def __init__(self, task: int, previous_task: int, steps: bool, policy: GradPolicy | None,
                  frees_grads: bool = True) -> None:
@@ -92,7 +96,10 @@ class _Backward:
         self.held_ok = True  # whether every held bucket passed its checks
         self.learning: list[int] = []  # the parameters of the bucket being learned, in arrival order
         self.learning_bytes = 0  # their gradient bytes
-        self.ended = False  # whether its end-of-backward callback ran; if not, partial buckets are forgotten
+        self.ended = False  # whether its end-of-backward callback ran; if not, the next backward recovers
+        self.live_bytes = 0  # gradient bytes arrived in it and not yet freed
+        self.peak_bytes = 0  # the most ``live_bytes`` ever was
+        self.stepped = 0  # tensors stepped in it
 
 
 class Engine:
@@ -121,9 +128,14 @@ class Engine:
         self.sparse: set[int] = set()  # parameters whose gradients are sparse: for-loop steps, in groups of their own
         self.buckets: list[_Bucket] = []
         self.comm_buckets: dict[tuple[int, ...], _Bucket] = {}  # a DDP bucket's parameter ids -> its bucket
+        self.comm_key_of: dict[int, tuple[int, ...]] = {}  # param index -> the key of its current DDP bucket
+        self.nbytes: list[int] = []  # per parameter: its (local) gradient's bytes
         self.handles: list[RemovableHandle] = []
         self.backward = _Backward(-1, -1, False, None)
         self.backward.ended = True
+        self.incomplete = False  # a bucket was stepped and the end of that backward has not completed
+        self.arrival_checked = False  # whether the gradients' producers were looked at (once, in a stepping backward)
+        self.at_once_bytes = 0  # gradient bytes that one autograd node hands over at once (whole-model compile)
 
     # -- registration -------------------------------------------------------------------------------------------
     def add_params(self, group_index: int, params: list[torch.Tensor]) -> list[RemovableHandle | None]:
@@ -136,6 +148,8 @@ class Engine:
             self.group_of.append(group_index)
             self.bucket_of.append(None)
             self.index_of[id(p)] = i
+            local = p.to_local() if is_dtensor(p) else p  # a shard holds only its part of the gradient
+            self.nbytes.append(local.numel() * local.element_size())
             handle = None if id(p) in self.comm_stepped else p.register_post_accumulate_grad_hook(_make_hook(ref, i))
             if handle is not None:
                 self.handles.append(handle)
@@ -157,9 +171,10 @@ class Engine:
         bw = self.backward
         tid = _task_id()
         if tid != bw.task:
-            bw = self._begin(tid)
+            bw = self._begin(tid, i)
         if not bw.steps:
             return  # a micro-batch that accumulates: the gradient stays in .grad
+        bw.live_bytes += self.nbytes[i]  # its peak is taken where gradients are freed
         b = self.bucket_of[i]
         if b is None:
             self._learn(i, bw)
@@ -173,7 +188,7 @@ class Engine:
         bw = self.backward
         tid = _task_id()
         if tid != bw.task:
-            bw = self._begin(tid)
+            bw = self._begin(tid, None)
         return bw.steps
 
     def settle_reduced(self, params: list[torch.Tensor]) -> None:
@@ -183,16 +198,31 @@ class Engine:
         b = self.comm_buckets.get(key)
         if b is None:
             indices = [self.index_of[k] for k in key]
-            b = self.comm_buckets[key] = _Bucket(indices, list(params), self._inner_optimizers(indices))
-        self.settle(b, self.backward)
+            for i in indices:  # buckets partition the parameters: one that overlaps the new one is DDP's old layout
+                old = self.comm_key_of.get(i)
+                if old is not None:
+                    self.comm_buckets.pop(old, None)
+                self.comm_key_of[i] = key
+            b = self.comm_buckets[key] = _Bucket(indices, list(params), self._inner_optimizers(indices),
+                                                 [self.nbytes[i] for i in indices])
+        bw = self.backward
+        bw.live_bytes += sum(self.nbytes[i] for i, p in zip(b.indices, b.params) if p.grad is not None)
+        self.settle(b, bw)
 
-    def _begin(self, tid: int) -> _Backward:
+    def _begin(self, tid: int, first: int | None) -> _Backward:
+        """A new backward, seen at the hook of parameter ``first`` (``None``: at a communication hook)."""
         last = self.backward
-        if tid == last.previous_task or _started_inside_a_backward():
+        if _compiled_autograd_on():
+            # Refused before anything steps; the gradients it leaves are dropped by the next backward, as after
+            # any backward that raised (``first``'s own is there already).
+            self.backward = refused = _Backward(tid, last.task, True, None)
+            refused.learning = [first] if first is not None else []
+            raise RuntimeError(compiled_autograd_message())
+        nested, roots = _backward_frames(want_roots=not self.arrival_checked)
+        if tid == last.previous_task or nested:
             _refuse_nested_backward()
         if not last.ended:
-            for b in self.buckets:  # it raised before its end-of-backward callback: forget its partial buckets
-                b.arrived = 0
+            self._recover(last, first)
         if self.reductions is not None:
             self.reductions.reset()
         steps = self.owner.backward_steps()
@@ -200,15 +230,92 @@ class Engine:
         self.backward = bw = _Backward(tid, last.task, steps, policy)
         if steps:
             policy.begin()
+            if not self.arrival_checked and roots is not None:
+                self.arrival_checked = True
+                self._check_arrival(roots)
         _queue_callback(lambda: self._end_of_backward(tid))
         return bw
+
+    def _recover(self, last: _Backward, first: int | None) -> None:
+        """The backward ``last`` never reached its end (it raised, was interrupted, or its callback was lost): its
+        partial buckets are forgotten and, if it stepped, the gradients it left are dropped, so that this backward
+        does not step on them. ``first``'s gradient already holds this backward's part too: dropped if it may
+        hold a stale one."""
+        mixed = last.steps and first is not None and (
+            first in last.learning or any(first in b.indices for b, _ in last.held)
+            or (self.bucket_of[first] is not None and _was_partial(self.bucket_of[first], last))
+        )
+        for b in self.buckets:
+            b.arrived = 0
+        if not last.steps:
+            return  # a micro-batch that only accumulates: as in the standard loop, .grad keeps what it got
+        dropped = 0
+        for i, p in enumerate(self.params):
+            if p.grad is not None and (i != first or mixed):
+                p.grad = None
+                dropped += 1
+        if not (dropped or last.stepped):
+            return
+        stepped = (
+            f"{last.stepped} tensors had already been stepped on its batch and the others not "
+            "(opt.step_incomplete is True: the model holds a half-applied step; to recover exactly, reload the last "
+            "checkpoint), and " if last.stepped else ""
+        )
+        first_note = (
+            f" (including {self.owner.param_name(self.params[first])}, whose gradient from this backward had been "
+            "added onto its stale one, so it is not stepped in this one)" if mixed else ""
+        )
+        warnings.warn(
+            f"the previous backward did not finish (it raised or was interrupted before its end): {stepped}"
+            f"{dropped} tensors' gradients left from it were dropped{first_note}, so that this backward does not "
+            "step on them. See docs/limitations.md, 'A backward that raises'",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def _check_arrival(self, roots: list[torch.Tensor]) -> None:
+        """Once: whether one autograd node hands over the gradients of every parameter (a model compiled whole,
+        whose compiled backward returns them together): then they are all alive at once and buckets save nothing."""
+        producers: dict[object, list[int]] = {}
+        seen: set[int] = set()
+        stack = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            for nxt, _ in node.next_functions:
+                if nxt is None:
+                    continue
+                var = getattr(nxt, "variable", None)
+                if var is not None:
+                    i = self.index_of.get(id(var))
+                    if i is not None:
+                        producers.setdefault(node, []).append(i)
+                else:
+                    stack.append(nxt)
+        if len(producers) != 1:
+            return
+        (indices,) = producers.values()
+        total = sum(self.nbytes[i] for i in set(indices))
+        if len(indices) < 2 or total <= self.cap_bytes:
+            return  # a single bucket: there was no saving to lose
+        self.at_once_bytes = total
+        warnings.warn(
+            f"all {len(set(indices))} gradients ({total} bytes) arrive at once from one autograd node "
+            f"({type(next(iter(producers))).__name__}), as with a model compiled whole (torch.compile(model)): they "
+            "are all alive together, so stepping in backward saves no gradient memory. Compile per block instead "
+            "(`for block in model.blocks: block.compile()`), which keeps the saving; opt.last_step.grad_bytes_peak "
+            "reports the bytes held",
+            UserWarning,
+            stacklevel=4,
+        )
 
     def _learn(self, i: int, bw: _Backward) -> None:
         p = self.params[i]
         if p.grad is not None and p.grad.is_sparse:
             self.sparse.add(i)
-        local = p.to_local() if is_dtensor(p) else p  # a shard holds only its part of the gradient
-        nbytes = local.numel() * local.element_size()
+        nbytes = self.nbytes[i]
         if bw.learning and bw.learning_bytes + nbytes > self.cap_bytes:
             self._close_learned(bw)  # never exceed the cap: a tensor that does not fit starts the next bucket
         bw.learning.append(i)
@@ -218,7 +325,8 @@ class Engine:
 
     def _close_learned(self, bw: _Backward) -> None:
         indices, bw.learning, bw.learning_bytes = bw.learning, [], 0
-        b = _Bucket(indices, [self.params[i] for i in indices], self._inner_optimizers(indices))
+        b = _Bucket(indices, [self.params[i] for i in indices], self._inner_optimizers(indices),
+                    [self.nbytes[i] for i in indices])
         for i in indices:
             self.bucket_of[i] = b
         self.buckets.append(b)
@@ -257,12 +365,12 @@ class Engine:
             self._step(b, bw)
             return
         bw.policy.stats.params_skipped += len(present)
-        for p in present:
-            p.grad = None
+        self._free(b, bw, len(present) == b.size)
 
     def _step(self, b: _Bucket, bw: _Backward) -> None:
         if not bw.began:
             bw.began = True
+            self.incomplete = True
             self.owner.step_begins()
         t0 = time.perf_counter()
         stepped = [p for p in b.params if p.grad is not None]
@@ -270,13 +378,31 @@ class Engine:
             step_inner_optimizers(b.inners)
         finally:
             b.arrived = 0
+        bw.stepped += len(stepped)
         self.owner.bucket_stepped(stepped)
         if bw.frees_grads:
-            for p in b.params:
-                p.grad = None
+            self._free(b, bw, len(stepped) == b.size)
         stats = bw.policy.stats
         stats.params_stepped += len(stepped)
         stats.step_time_s += time.perf_counter() - t0
+
+    def _free(self, b: _Bucket, bw: _Backward, full: bool) -> None:
+        """Drop the bucket's gradients (the step that read them was just queued on the current stream); ``full``:
+        every tensor of the bucket has one."""
+        bw.peak_bytes = max(bw.peak_bytes, bw.live_bytes)
+        bw.live_bytes -= b.nbytes if full else sum(n for n, p in zip(b.nbytes_each, b.params) if p.grad is not None)
+        # CUDA stream rule: a gradient may have been allocated on another stream than the one that ran the step
+        # (FSDP2's reduce-scatter stream, DDP's bucket). Dropping it lets the caching allocator hand its block to
+        # its allocation stream while the step's kernels may still read it, unless the block is recorded on the
+        # stream that ran them. Which stream allocated it is not cheaply known; the default stream never differs
+        # in the cases above, so record whenever the step ran elsewhere. On CPU there are no streams.
+        if b.cuda and torch.cuda.current_stream() != torch.cuda.default_stream():
+            stream = torch.cuda.current_stream()
+            for p in b.params:
+                if p.grad is not None:
+                    (p.grad.to_local() if is_dtensor(p.grad) else p.grad).record_stream(stream)
+        for p in b.params:
+            p.grad = None
 
     def _end_of_backward(self, tid: int) -> None:
         bw = self.backward
@@ -295,6 +421,8 @@ class Engine:
                 self.settle(b, bw)
         self._settle_held(bw)
         bw.ended = True
+        self.incomplete = False
+        bw.policy.stats.grad_bytes_peak = max(bw.peak_bytes, bw.live_bytes, self.at_once_bytes)
         self.owner.step_ends(bw.began)
 
     def step_standard(self, parts: list[tuple[int, list[torch.Tensor]]]) -> bool:
@@ -302,12 +430,14 @@ class Engine:
         ``parts`` (group index, tensors: the owner's current groups) form one bucket, settled as a whole step.
         Returns whether it stepped; the caller ends the step (``policy.end``, post hooks)."""
         params = [p for _, ps in parts for p in ps]
-        b = _Bucket(list(range(len(params))), params, self.recipe.build([(gi, False, ps) for gi, ps in parts]))
+        b = _Bucket(list(range(len(params))), params, self.recipe.build([(gi, False, ps) for gi, ps in parts]),
+                    [0] * len(params))  # its gradients are kept: nothing is counted
         policy = self.owner.grad_policy()
         bw = _Backward(-1, -1, True, policy, frees_grads=False)
         policy.begin()
         self.settle(b, bw)
         self._settle_held(bw)
+        self.incomplete = False
         return bw.began
 
     def _inner_optimizers(self, indices: list[int]) -> list[InnerOptimizer]:
@@ -318,21 +448,44 @@ class Engine:
         return self.recipe.build([(gi, sparse, params) for (gi, sparse), params in parts.items()])
 
 
-def _started_inside_a_backward() -> bool:
-    """Whether the running backward was launched from an autograd Function's backward (a reentrant checkpoint):
-    on this thread's stack, a backward entry point called (indirectly) by ``BackwardCFunction.apply``. Checked
-    once per backward. A backward whose parameters all sit inside such segments would otherwise look like one
-    training step per segment."""
+def _was_partial(b: _Bucket, last: _Backward) -> bool:
+    return b.arrived > 0 or any(b is held for held, _ in last.held)
+
+
+def _backward_frames(want_roots: bool) -> tuple[bool, list[torch.Tensor] | None]:
+    """Read once per backward from this thread's stack: whether the running backward was launched from an autograd
+    Function's backward (a reentrant checkpoint: a backward entry point called, indirectly, by
+    ``BackwardCFunction.apply``), and the tensors it started from (``None`` if not found). A backward whose
+    parameters all sit inside reentrant segments would otherwise look like one training step per segment."""
     frame = sys._getframe(1)
-    in_engine = False
+    roots = None
     while frame is not None:
         code = frame.f_code
         if code.co_name == "_engine_run_backward" and code.co_filename.endswith(_GRAPH_PY):
-            in_engine = True
-        elif in_engine and code.co_name == "apply" and code.co_filename.endswith(_FUNCTION_PY):
-            return True
+            if roots is None:
+                outputs = frame.f_locals.get("t_outputs") if want_roots else None
+                roots = list(outputs) if isinstance(outputs, (list, tuple)) else []
+        elif roots is not None and code.co_name == "apply" and code.co_filename.endswith(_FUNCTION_PY):
+            return True, roots
         frame = frame.f_back
-    return False
+    return False, roots
+
+
+def _compiled_autograd_on() -> bool:
+    # Compiled autograd traces the hooks into a graph, where some never run and the end-of-backward callback is
+    # lost: parameters would silently not be stepped. Checked once per backward.
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return ca is not None and bool(ca.compiled_autograd_enabled or ca.in_compiled_autograd_region)
+
+
+def compiled_autograd_message() -> str:
+    return (
+        "compiled autograd is on (torch._dynamo.config.compiled_autograd = True, or torch._dynamo."
+        "compiled_autograd._enable): it traces the post-accumulate-grad hooks the in-backward step runs on, and "
+        "some of them never run, so parameters would silently not be stepped. Turn compiled autograd off for this "
+        "model (torch.compile without it still works: per block keeps the memory saving), or use a standard "
+        "optimizer"
+    )
 
 
 _GRAPH_PY = os.path.join("autograd", "graph.py")

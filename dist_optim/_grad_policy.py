@@ -37,6 +37,10 @@ class StepStats:
         params_skipped: tensors whose gradients were present but not stepped (non-finite, fp16 overflow).
         overflow: whether a non-finite gradient was found (GradScaler overflow or ``nonfinite`` check).
         step_time_s: host time spent in the optimizer's steps and gradient transforms (launch time on GPUs).
+        grad_bytes_peak: the most gradient bytes alive at once during the backward that stepped (arrived and not
+            yet freed, counted by the engine; under DDP, bucket by bucket once reduced); with a model compiled
+            whole, every gradient, since its compiled backward hands them over together. ``0`` after a standard
+            :meth:`step`.
     """
 
     grad_norm: torch.Tensor | None = None
@@ -45,6 +49,7 @@ class StepStats:
     params_skipped: int = 0
     overflow: bool = False
     step_time_s: float = 0.0
+    grad_bytes_peak: int = 0
 
 
 class GradPolicy:

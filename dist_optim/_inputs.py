@@ -46,6 +46,12 @@ def check_tensor(p: Any, name: str) -> None:
             f"can't optimize a non-leaf Tensor ({name}); pass leaf tensors such as nn.Parameter, or call "
             ".detach().requires_grad_() on it"
         )
+    if p.is_meta:
+        raise ValueError(
+            f"{name} is on the meta device: it has no data, and once the model is materialised (to_empty(), "
+            "loading weights) it is a new tensor this optimizer would never step. Build the optimizer after "
+            "materialising the model"
+        )
     if not p.requires_grad:
         raise ValueError(
             f"{name} does not require grad, so its step would never fire in backward; leave frozen tensors out "

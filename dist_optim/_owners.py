@@ -39,6 +39,12 @@ def check_unowned(params: Iterable[torch.Tensor], owner: object, describe: Calla
             )
 
 
+def is_owned(p: torch.Tensor) -> bool:
+    """Whether a live owner steps ``p`` in backward."""
+    entry = _OWNERS.get(p)
+    return entry is not None and entry[0]() is not None
+
+
 def record_owner(p: torch.Tensor, owner: object, handle: RemovableHandle | None) -> None:
     _OWNERS[p] = (weakref.ref(owner), handle)
 

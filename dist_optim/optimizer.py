@@ -8,6 +8,10 @@ the gradients of a bucket are ready, and those gradients are freed at once.
 from __future__ import annotations
 
 import contextlib
+import math
+import sys
+import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from itertools import chain
@@ -19,7 +23,8 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 from torch.utils.hooks import RemovableHandle
 
 from dist_optim._ddp import DDPCommHook, check_ddp, ddp_managed
-from dist_optim._engine import Engine
+from dist_optim._engine import Engine, compiled_autograd_message
+from dist_optim._fingerprint import check_same_options
 from dist_optim._grad_policy import GradPolicy, StepStats
 from dist_optim._inputs import (
     as_list,
@@ -30,7 +35,7 @@ from dist_optim._inputs import (
     is_dtensor,
     module_params,
 )
-from dist_optim._owners import check_unowned, record_owner, release
+from dist_optim._owners import check_unowned, is_owned, record_owner, release
 from dist_optim._stepper import Recipe
 
 __all__: list[str] = []
@@ -56,7 +61,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             ``optimizer_kwargs``.
         optimizer_class: a ``torch.optim.Optimizer`` subclass (not an instance), e.g. ``torch.optim.AdamW``.
         bucket_cap_mb: gradient bytes, in MiB, that a bucket holds at most before it is stepped (a single larger
-            tensor forms a bucket of its own). Default: 4.
+            tensor forms a bucket of its own). Default: 4. ``float("inf")``: one bucket, stepped when backward ends
+            (no memory saving).
         per_parameter: step each parameter on its own as soon as its gradient is ready (least memory, slowest).
         allow_local_steps: in a multi-rank job, step plain tensors on their local, un-reduced gradients (local
             SGD). Without it such a job is refused.
@@ -84,14 +90,19 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         ddp_comm_hook: with a ``DistributedDataParallel`` model, the communication hook that reduces each bucket
             before it is stepped (default: DDP's mean all-reduce), e.g. torch's ``fp16_compress_hook``.
         ddp_comm_state: the state passed to ``ddp_comm_hook``.
+        strict: raise instead of warning when a loop runs several stepping backwards between two :meth:`step`
+            calls (gradient accumulation written for a standard optimizer, which steps here on every backward).
         **optimizer_kwargs: options of ``optimizer_class`` (``lr``, ``weight_decay``, ...), checked by
             ``optimizer_class`` itself at construction.
 
     Raises:
-        TypeError: ``optimizer_class`` is not an optimizer class, or ``optimizer_kwargs`` has an unknown option.
-        ValueError: a tensor is not a leaf, does not require grad, or is given twice; the optimizer needs a
-            closure (LBFGS); an engine option is out of range.
-        RuntimeError: a multi-rank process group is initialised and ``allow_local_steps`` is not set.
+        TypeError: ``optimizer_class`` is not an optimizer class, ``optimizer_kwargs`` has an unknown option, or
+            ``params`` is a set (unordered, as ``torch.optim`` refuses).
+        ValueError: a tensor is not a leaf, does not require grad, is on the meta device, or is given twice; the
+            optimizer needs a closure (LBFGS); an engine option is out of range; under DDP or FSDP2, an option
+            differs across ranks (raised on every rank).
+        RuntimeError: a multi-rank process group is initialised and ``allow_local_steps`` is not set; compiled
+            autograd is on.
 
     Example:
         >>> import torch, dist_optim
@@ -124,11 +135,15 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         nonfinite: str = "ignore",
         ddp_comm_hook: Callable[..., Any] | None = None,
         ddp_comm_state: Any = None,
+        strict: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         check_optimizer_class(optimizer_class)
         if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is not None and dynamo.config.compiled_autograd:
+            raise RuntimeError(compiled_autograd_message())
         if not (isinstance(accumulation_steps, int) and accumulation_steps >= 1):
             raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
         self._policy_options = dict(
@@ -152,9 +167,19 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                 )
         elif ddp_comm_hook is not None:
             raise ValueError("ddp_comm_hook is given but params is not a DistributedDataParallel model")
+        # The module's parameters left out as frozen: one unfrozen later would never be stepped. Weak references,
+        # so that the optimizer keeps no more of the model alive than its own parameters.
+        self._frozen = [
+            (name, weakref.ref(p)) for name, p in params.named_parameters() if not p.requires_grad
+        ] if isinstance(params, nn.Module) else []
         if isinstance(params, nn.Module):
             check_sparse_modules(params, optimizer_class)
             params = module_params(params)
+        if isinstance(params, set):
+            raise TypeError(
+                "params must be an ordered collection (a list), got a set, whose order changes between runs and "
+                "would mismatch the state dict; pass a list"
+            )
         if isinstance(params, torch.Tensor):
             raise TypeError(
                 "params must be an iterable of Tensors, (name, Tensor) pairs or dicts, or an nn.Module, got a "
@@ -176,6 +201,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._recheck_world = False
         self._accumulation_steps = accumulation_steps
         self._micro_batches = 0  # backwards accumulated since the last step
+        self._strict = strict
+        self._backward_steps_since_step = 0  # in-backward steps since the last step() call
+        self._warned_several_steps = False
         self._no_step_depth = 0
         # Under DDP: parameters DDP reduces are stepped by its communication hook; the ones it ignores keep a local
         # step, as in DDP's standard loop.
@@ -185,7 +213,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._engine = Engine(
             _EngineOwner(self),
             self._recipe,
-            int(bucket_cap_mb * 2**20),
+            sys.maxsize if math.isinf(bucket_cap_mb) else int(bucket_cap_mb * 2**20),
             per_parameter,
             reductions,
             frozenset(ddp_managed(ddp)) if ddp is not None else frozenset(),
@@ -193,6 +221,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         defaults = self._recipe.defaults(_first_tensor(groups))
         try:
             super().__init__(groups, defaults)
+            if ddp is not None or any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
+                check_same_options(self, ddp.process_group if ddp is not None else None, accumulation_steps)
             if reductions is not None:
                 reductions.attach(self._engine)
                 self._ddp_hook = reductions
@@ -324,6 +354,13 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             yield
         finally:
             self._no_step_depth -= 1
+
+    @property
+    def step_incomplete(self) -> bool:
+        """Whether a training step is half-applied: ``True`` from the first bucket stepped in a backward until
+        that backward's end completes, and still ``True`` after a backward that raised (or was interrupted) in
+        between, when some tensors were stepped on the batch and others not. Read-only."""
+        return self._engine.incomplete
 
     @property
     def micro_batches(self) -> int:
@@ -460,6 +497,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         if self._finishing:
             self._run_post_hooks()
             return None
+        self._check_steps_since_step()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -476,6 +514,39 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         return loss
 
     step.hooked = True  # type: ignore[attr-defined]  # we fire step hooks ourselves, once per training step
+
+    def _check_steps_since_step(self) -> None:
+        n, self._backward_steps_since_step = self._backward_steps_since_step, 0
+        if n <= 1 or (self._warned_several_steps and not self._strict):
+            return
+        message = (
+            f"{n} backwards each ran a full optimizer step since the last step() call: this optimizer steps inside "
+            f"every backward (accumulation_steps={self._accumulation_steps}), so a loop that accumulates gradients "
+            f"over {n} micro-batches before calling step() made {n} optimizer steps instead of one. Pass "
+            f"accumulation_steps={n}, or run the micro-batches that only accumulate inside `with opt.no_step():`, "
+            "or use the framework's adapter in dist_optim.integrations"
+        )
+        if self._strict:
+            raise RuntimeError(f"{message} (strict=True)")
+        self._warned_several_steps = True
+        warnings.warn(f"{message}; strict=True raises this instead", UserWarning, stacklevel=3)
+
+    def _check_unowned_grads(self) -> None:
+        """Once per optimizer: a parameter of the module that no optimizer steps in backward (frozen at
+        construction, unfrozen since) got a gradient, which would grow forever."""
+        index = self._engine.index_of
+        for name, ref in self._frozen:
+            p = ref()
+            if p is not None and p.grad is not None and id(p) not in index and not is_owned(p):
+                self._frozen = []
+                warnings.warn(
+                    f"parameter {name} got a gradient but no optimizer steps it (it did not require grad when this "
+                    "optimizer was built, from the module): it is never trained and its .grad grows with every "
+                    "backward. Build the optimizer after unfreezing it, or add it with opt.add_param_group",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                return
 
     def _run_post_hooks(self) -> None:
         for hook in chain(self._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()):
@@ -510,6 +581,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                 "lifetime. Wrap the module in a new DDP to train it with a standard optimizer"
             )
         self._engine.remove()
+        self._backward_steps_since_step = 0  # from now on step() is the step
         release((p for g in getattr(self, "param_groups", []) for p in g["params"]), self)
 
 
@@ -543,7 +615,9 @@ class _EngineOwner:
     def step_ends(self, stepped: bool) -> None:
         opt = self.opt
         opt._policy.end(opt)
+        opt._check_unowned_grads()
         if stepped:
+            opt._backward_steps_since_step += 1
             # Through the public step(), so that wrappers installed on it (LR schedulers) see the step happen.
             opt._finishing = True
             try:

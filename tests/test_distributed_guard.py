@@ -57,3 +57,26 @@ def _worker(ctx) -> None:
 
 def test_multi_rank_job_without_a_wrapper_is_refused():
     run_fresh(2, _worker, init=False)
+
+
+def _options_differ(ctx) -> None:
+    rank = ctx.rank
+    ddp = torch.nn.parallel.DistributedDataParallel(make_model())
+    # Options that differ across ranks are refused on every rank, naming the option and the ranks.
+    with pytest.raises(ValueError, match=r"different options on different ranks.*param_groups\[0\]\.lr: "
+                                         r"0\.1 on ranks \[0\]; 0\.2 on ranks \[1\]"):
+        dist_optim.InBackwardOptimizer(ddp, torch.optim.SGD, lr=0.1 * (rank + 1))
+    # Clipping on one rank only would wait forever in its norm's collective: refused instead.
+    with pytest.raises(ValueError, match=r"max_grad_norm: 1\.0 on ranks \[0\]; None on ranks \[1\]"):
+        dist_optim.InBackwardOptimizer(ddp, torch.optim.SGD, lr=0.1, max_grad_norm=1.0 if rank == 0 else None)
+    # DDP rebuilds its buckets after iteration 0: only the current ones are listed, each parameter once.
+    ddp = torch.nn.parallel.DistributedDataParallel(make_model(), bucket_cap_mb=300 / 2**20)
+    opt = dist_optim.InBackwardOptimizer(ddp, torch.optim.SGD, lr=0.1)
+    train_in_backward(ddp, batches(3, seed=10 + rank))
+    listed = [id(p) for bucket in opt.buckets for p in bucket]
+    assert sorted(listed) == sorted(id(p) for p in ddp.parameters()), (len(listed), len(opt.buckets))
+    assert len(opt.buckets) > 1
+
+
+def test_options_are_compared_across_ranks_and_ddp_buckets_are_the_current_ones(ranks):
+    ranks.run(2, _options_differ)

@@ -1,0 +1,238 @@
+"""The engine's guards: what a user without an adapter can get wrong is said, or refused, never silent."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from dist_optim import InBackwardOptimizer
+from helpers import assert_same_params, batches, loss_of, make_model, train_standard
+
+LAYER_BYTES = (8 * 8 + 8) * 4  # one hidden Linear's gradients, float32
+
+
+@contextlib.contextmanager
+def _no_warnings():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield
+
+
+# -- a. several stepping backwards between two step() calls ---------------------------------------------------
+def _framework_loop(model, opt, data, k):
+    """What HF Trainer, accelerate or Lightning do with gradient accumulation: k backwards, then step()."""
+    for start in range(0, len(data), k):
+        for batch in data[start:start + k]:
+            (loss_of(model, batch) / k).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_accumulation_written_for_a_standard_optimizer_is_reported_once():
+    model = make_model()
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.warns(UserWarning, match=r"3 backwards each ran a full optimizer step.*made 3 optimizer steps "
+                                         r"instead of one.*accumulation_steps=3.*opt.no_step\(\).*integrations"):
+        _framework_loop(model, opt, batches(3), 3)
+    with _no_warnings():
+        _framework_loop(model, opt, batches(3, seed=2), 3)  # once per optimizer
+
+
+def test_strict_raises_and_the_right_setting_is_silent_and_equal_to_the_standard_loop():
+    model = make_model()
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, strict=True)
+    with pytest.raises(RuntimeError, match=r"2 backwards each ran.*accumulation_steps=2.*\(strict=True\)"):
+        _framework_loop(model, opt, batches(2), 2)
+    model, ref = make_model(), make_model()
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, accumulation_steps=2, strict=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, foreach=True)
+    data = batches(4)
+    with _no_warnings():
+        _framework_loop(model, opt, data, 2)
+    _framework_loop(ref, ref_opt, data, 2)
+    assert_same_params(model, ref)
+
+
+def test_a_loop_that_steps_each_backward_and_calls_step_is_silent():
+    model = make_model()
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, strict=True)
+    _framework_loop(model, opt, batches(3), 1)
+
+
+# -- 3 and 4. a backward that raises ----------------------------------------------------------------------------
+def _failing_backward(model, batch):
+    """A backward that raises once the head and the last layers' gradients are in, before the first layer's."""
+
+    def boom(_grad):
+        raise RuntimeError("boom")
+
+    x, y = batch
+    h = torch.tanh(model.layers[0](x))
+    h.register_hook(boom)
+    out = model.head(model.norm(torch.tanh(model.layers[2](torch.tanh(model.layers[1](h))))))
+    with pytest.raises(RuntimeError, match="boom"):
+        nn.functional.mse_loss(out, y).backward()
+
+
+# buckets near the head stepped and the next one partial / one bucket, nothing stepped
+@pytest.mark.parametrize("cap", [600 / 2**20, 1.0])
+def test_stale_gradients_of_a_failed_backward_are_dropped_not_stepped(cap):
+    model = make_model()
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9, bucket_cap_mb=cap)
+    data = batches(3)
+    loss_of(model, data[0]).backward()
+    assert not opt.step_incomplete
+    before = [p.detach().clone() for p in model.parameters()]
+    _failing_backward(model, data[1])
+    stepped = [not torch.equal(p, b) for p, b in zip(model.parameters(), before)]
+    stale = [p.grad is not None for p in model.parameters()]
+    assert any(stale) and opt.step_incomplete == any(stepped)
+    # The reference: a standard SGD over the same state, stepping on the next batch's gradients alone.
+    ref = make_model()  # not a deepcopy, which would copy the parameters' hooks
+    ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # its momentum buffers are the optimizer's own
+    train_standard(ref, ref_opt, data[2:])
+    expected = (f"{sum(stepped)} tensors had already been stepped.*step_incomplete is True.*reload the last "
+                f"checkpoint.*" if any(stepped) else "") + rf"\b{sum(stale)} tensors' gradients left from it"
+    with pytest.warns(RuntimeWarning, match=rf"previous backward did not finish.*{expected}.*were dropped"):
+        loss_of(model, data[2]).backward()
+    assert not opt.step_incomplete
+    if stale[-1]:  # the head's gradient arrives first: it held this backward's part too, and was dropped
+        assert torch.equal(model.head.bias, before[-1])
+        ref.head.bias.data.copy_(before[-1])
+    assert_same_params(model, ref)
+
+
+def test_step_incomplete_is_true_while_buckets_are_being_stepped():
+    model = make_model()
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, per_parameter=True)
+    seen = []
+    opt.register_bucket_step_hook(lambda o, params: seen.append(o.step_incomplete))
+    loss_of(model, batches(1)[0]).backward()
+    assert seen and all(seen) and not opt.step_incomplete
+    with pytest.raises(AttributeError):
+        opt.step_incomplete = False
+
+
+# -- 8. a parameter unfrozen after construction ----------------------------------------------------------------
+def test_a_parameter_unfrozen_after_construction_is_named_once():
+    model = make_model()
+    model.layers[0].weight.requires_grad_(False)
+    opt = InBackwardOptimizer(model, torch.optim.SGD, lr=0.1)
+    loss_of(model, batches(1)[0]).backward()  # still frozen: nothing to say
+    model.layers[0].weight.requires_grad_(True)
+    with pytest.warns(UserWarning, match=r"parameter layers.0.weight got a gradient but no optimizer steps it"):
+        loss_of(model, batches(1)[0]).backward()
+    with _no_warnings():
+        loss_of(model, batches(1)[0]).backward()
+    # Once given to an optimizer, it trains.
+    opt.add_param_group({"params": [model.layers[0].weight]})
+    model.layers[0].weight.grad = None
+    before = model.layers[0].weight.detach().clone()
+    loss_of(model, batches(1)[0]).backward()
+    assert not torch.equal(model.layers[0].weight, before) and model.layers[0].weight.grad is None
+
+
+# -- 9 and 17. refused input, accepted infinity -----------------------------------------------------------------
+def test_meta_parameters_are_refused_by_name():
+    with torch.device("meta"):
+        model = make_model()
+    with pytest.raises(ValueError, match=r"layers.0.weight is on the meta device.*after materialising"):
+        InBackwardOptimizer(model, torch.optim.AdamW)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\[0\] is on the meta device"):
+        InBackwardOptimizer(model.parameters(), torch.optim.AdamW)
+
+
+def test_a_set_of_parameters_is_refused_like_torch():
+    model = make_model()
+    with pytest.raises(TypeError, match="got a set"):
+        InBackwardOptimizer(set(model.parameters()), torch.optim.SGD, lr=0.1)
+    with pytest.raises(TypeError, match="ordered collections"):
+        InBackwardOptimizer([{"params": set(model.parameters())}], torch.optim.SGD, lr=0.1)
+
+
+def _equal_to_fused_adamw(**options):
+    """Three in-backward AdamW steps with ``options`` equal the fused standard loop's; returns (model, optimizer)."""
+    model, ref = make_model(), make_model()
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.AdamW, **options)
+    ref_opt = torch.optim.AdamW(ref.parameters(), fused=True)
+    data = batches(3)
+    for batch in data:
+        loss_of(model, batch).backward()
+    train_standard(ref, ref_opt, data)
+    assert_same_params(model, ref)
+    return model, opt
+
+
+def test_an_infinite_bucket_cap_is_one_bucket_equal_to_the_standard_loop():
+    model, opt = _equal_to_fused_adamw(bucket_cap_mb=math.inf)
+    assert len(opt.buckets) == 1 and len(opt.buckets[0]) == len(list(model.parameters()))
+    with pytest.raises(ValueError, match="bucket_cap_mb must be > 0, got nan"):
+        InBackwardOptimizer(make_model().parameters(), torch.optim.AdamW, bucket_cap_mb=math.nan)
+
+
+# -- c. gradient bytes held --------------------------------------------------------------------------------------
+def test_grad_bytes_peak_counts_what_buckets_hold():
+    model = make_model()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    one = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, bucket_cap_mb=math.inf)
+    loss_of(model, batches(1)[0]).backward()
+    assert one.last_step.grad_bytes_peak == total
+    one.remove()
+    small = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, bucket_cap_mb=LAYER_BYTES / 2**20)
+    for batch in batches(2):
+        loss_of(model, batch).backward()
+        assert 0 < small.last_step.grad_bytes_peak <= 2 * LAYER_BYTES < total
+    small.remove()
+    exact = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, bucket_cap_mb=LAYER_BYTES / 2**20,
+                                max_grad_norm=1.0)
+    loss_of(model, batches(1)[0]).backward()
+    assert exact.last_step.grad_bytes_peak == total  # exact clipping holds every gradient until backward ends
+
+
+# -- s. the CUDA stream rule is not reached on CPU ----------------------------------------------------------------
+def test_the_stream_rule_is_a_no_op_on_cpu(monkeypatch):
+    def no_streams_on_cpu():
+        raise AssertionError("torch.cuda.current_stream() called for CPU gradients")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", no_streams_on_cpu)
+    model, opt = _equal_to_fused_adamw(bucket_cap_mb=LAYER_BYTES / 2**20)
+    assert len(opt.buckets) > 1 and all(p.grad is None for p in model.parameters())
+
+
+# -- b. compiled autograd --------------------------------------------------------------------------------------------
+def test_compiled_autograd_is_refused_before_anything_steps_and_leaves_no_stale_gradient():
+    dynamo = pytest.importorskip("torch._dynamo")
+    from torch._dynamo import compiled_autograd
+
+    model, ref = make_model(), make_model()
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    data = batches(2)
+    before = [p.detach().clone() for p in model.parameters()]
+    with (
+        pytest.raises(RuntimeError, match=r"compiled autograd is on.*_enable.*Turn compiled autograd off"),
+        compiled_autograd._enable(torch.compile(backend="eager")),
+    ):
+        loss_of(model, data[0]).backward()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert not opt.step_incomplete
+    # The next (eager) backward drops what the refused one left and steps on its own gradients only.
+    with pytest.warns(RuntimeWarning, match="gradients left from it were dropped"):
+        loss_of(model, data[1]).backward()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    train_standard(ref, ref_opt, data[1:])
+    for p, q, b in zip(model.parameters(), ref.parameters(), before):
+        if not torch.equal(p, b):  # the tensor whose fresh gradient was mixed with its stale one is not stepped
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+    with (
+        dynamo.config.patch(compiled_autograd=True),
+        pytest.raises(RuntimeError, match=r"compiled autograd is on \(torch._dynamo.config.compiled_autograd"),
+    ):
+        InBackwardOptimizer(make_model().parameters(), torch.optim.SGD, lr=0.1)
