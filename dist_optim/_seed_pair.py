@@ -3,18 +3,20 @@
 Same behaviour and layout as torch's private ``_apply_optimizer_in_backward`` (optimizers over the parameter
 itself in ``param._in_backward_optimizers``, several per parameter, shared parameters, ``register_hook=False``),
 without its leak: everything lives in the parameter's own ``__dict__``, where the garbage collector sees the
-cycle, and the hook takes the parameter as its argument instead of closing over it.
+cycle, and the hook takes the parameter as its argument instead of closing over it. Under DDP, torch's own
+communication hook steps these optimizers where the build allows it.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from dist_optim._inputs import check_optimizer_class, check_single_process, check_tensor
+from dist_optim._inputs import check_optimizer_class, check_tensor, is_dtensor
 from dist_optim._owners import check_unowned, record_owner
 
 __all__: list[str] = []
@@ -35,13 +37,62 @@ def _make_hook(allow_local_steps: bool):
     # Closes over a bool only: a hook that held the parameter or its optimizers would keep the model alive from
     # the autograd graph, which is torch's leak.
     def step_in_backward(param: torch.Tensor) -> None:
-        if not allow_local_steps:
-            check_single_process(False, [param])  # a process group may have appeared since (then DDP-wrapped)
+        if not allow_local_steps and _world(param) > 1:
+            raise RuntimeError(_local_gradient_message(param))
         for opt in param._in_backward_optimizers:
             opt.step()
         param.grad = None
 
     return step_in_backward
+
+
+def _world(p: torch.Tensor) -> int:
+    """Ranks whose gradients this parameter's hook would ignore: 1 in a single process and for DTensor
+    parameters (FSDP2 reduce-scatters before their hooks)."""
+    dist = torch.distributed
+    if is_dtensor(p) or not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size()
+
+
+def _ddp_can_take_over() -> bool:
+    """Whether torch's DDP can step these optimizers: it does so for parameters that carry
+    ``_in_backward_optimizers`` (all-reduce, average, step each one, in its communication hook), but the callback
+    that hook queues for the end of backward calls ``torch.accelerator.current_stream()``, which raises on a
+    build without an accelerator, after the step."""
+    return torch.accelerator.is_available()
+
+
+def _ddp_alternative(p: torch.Tensor) -> str:
+    return (
+        f"a process group with {_world(p)} ranks is initialised, and on this build without an accelerator "
+        "torch's DistributedDataParallel cannot step optimizers attached by apply_optimizer_in_backward (its "
+        "end-of-backward callback calls torch.accelerator.current_stream(), which raises after the step). Wrap "
+        "the model in DDP and use dist_optim.InBackwardOptimizer(ddp_model, optimizer_class, **optimizer_kwargs), "
+        "which steps in backward after each bucket's all-reduce; or pass allow_local_steps=True if local steps "
+        "without DDP are what you want (local SGD)"
+    )
+
+
+def _local_gradient_message(p: torch.Tensor) -> str:
+    if not _ddp_can_take_over():
+        return _ddp_alternative(p) + "; nothing was stepped"
+    return (
+        f"a parameter of shape {tuple(p.shape)} would be stepped on its local, un-reduced gradient in a job of "
+        f"{_world(p)} ranks: DistributedDataParallel did not take it over (the model is not DDP-wrapped, or the "
+        "parameter is in DDP's params_and_buffers_to_ignore), so the replicas would drift apart. Wrap the model "
+        "in DDP before its first forward, or pass allow_local_steps=True for the parameters that should step "
+        "locally (DDP's standard loop steps ignored parameters on their local gradients too)"
+    )
+
+
+def _register_for_ddp(p: torch.Tensor, handle: RemovableHandle) -> None:
+    """List the hook where torch's DDP looks for the hooks it replaces with its own step after the all-reduce
+    (``param_to_optim_hook_handle_map``, read at DDP's first forward), on builds where that step works."""
+    if torch.distributed.is_available() and _ddp_can_take_over():
+        from torch.distributed.optim.apply_optimizer_in_backward import param_to_optim_hook_handle_map
+
+        param_to_optim_hook_handle_map.setdefault(p, []).append(handle)
 
 
 def apply_optimizer_in_backward(
@@ -58,9 +109,12 @@ def apply_optimizer_in_backward(
     appended to ``param._in_backward_optimizers`` (classes and options to ``param._optimizer_classes`` and
     ``param._optimizer_kwargs``), as torch does; call it several times to attach several optimizers to a parameter
     (each steps once per backward, in the order attached); after ``backward()`` the gradients are ``None``.
-    Unlike torch's, it frees the parameters when the model is dropped and refuses, instead of training on local
-    gradients, to step plain parameters in a multi-rank job. For bucketed, faster steps and a single
-    ``state_dict()``, use :class:`InBackwardOptimizer`.
+    Unlike torch's, it frees the parameters when the model is dropped and never steps on local gradients
+    unasked. Under DistributedDataParallel (attach before or after wrapping, before the first forward), torch's
+    DDP takes the step over after each bucket's all-reduce, as with torch's function; that step needs an
+    accelerator build, so without one a multi-rank job is refused, before anything steps, in favour of
+    ``InBackwardOptimizer(ddp_model, ...)``. For bucketed, faster steps and a single ``state_dict()``, use
+    :class:`InBackwardOptimizer`.
 
     Args:
         optimizer_class: a ``torch.optim.Optimizer`` subclass.
@@ -68,7 +122,11 @@ def apply_optimizer_in_backward(
         optimizer_kwargs: options for ``optimizer_class``.
         register_hook: if ``False``, only record the optimizers (for :func:`get_in_backward_optimizers`); nothing
             steps in backward unless another call on the same parameter registers the hook.
-        allow_local_steps: in a multi-rank job, step on local, un-reduced gradients (local SGD).
+        allow_local_steps: in a multi-rank job, step the parameters DDP does not take over (not wrapped, or in
+            DDP's ignore list) on their local, un-reduced gradients (local SGD).
+
+    Raises:
+        NotImplementedError: in a multi-rank job on a build without an accelerator, unless ``allow_local_steps``.
 
     Example:
         >>> import torch, dist_optim
@@ -83,10 +141,17 @@ def apply_optimizer_in_backward(
     params = list(params)
     for k, p in enumerate(params):
         check_tensor(p, f"params[{k}]")
-    check_single_process(allow_local_steps, params)
+    if not allow_local_steps and not _ddp_can_take_over():
+        for p in params:
+            if _world(p) > 1:
+                raise NotImplementedError(_ddp_alternative(p))
     if register_hook:
         for p in params:
             check_unowned([p], p.__dict__.get("_in_backward_optimizers"), lambda t: f"of shape {tuple(t.shape)}")
+    if torch.distributed.is_available():
+        # DDP's first forward reads torch.distributed.optim.apply_optimizer_in_backward as an attribute of
+        # torch.distributed when a parameter carries _in_backward_optimizers; it exists once the module is imported
+        importlib.import_module("torch.distributed.optim")
     optimizers = [optimizer_class([p], **optimizer_kwargs) for p in params]  # all options checked before any change
     for p, opt in zip(params, optimizers):
         if not isinstance(p.__dict__.get("_in_backward_optimizers"), _InBackwardOptimizers):
@@ -101,6 +166,7 @@ def apply_optimizer_in_backward(
             owner = p._in_backward_optimizers
             owner.handle = p.register_post_accumulate_grad_hook(_make_hook(allow_local_steps))
             record_owner(p, owner, owner.handle)
+            _register_for_ddp(p, owner.handle)
 
 
 def get_in_backward_optimizers(module: torch.nn.Module) -> list[torch.optim.Optimizer]:
