@@ -1,9 +1,10 @@
-"""The seed pair under DDP, as torch's ``test_ddp_apply_optim_in_backward*`` use it: attach the optimizers to the
-module's parameters (before or after wrapping), wrap in DDP, train, and compare with DDP and the standard loop.
+"""The seed pair on 2 real gloo ranks: under DDP, as torch's ``test_ddp_apply_optim_in_backward*`` use it, and on
+FSDP2 with torchtitan's DCP checkpoint (``get_optimizer_state_dict(model, get_in_backward_optimizers(model))``).
 
 torch's DDP steps parameters that carry ``_in_backward_optimizers`` from its own communication hook, whose
-end-of-backward callback needs an accelerator. On a build without one the pair refuses before anything steps
-(checked here on 2 real gloo ranks); on a build with one, the results equal DDP + the standard loop.
+end-of-backward callback needs an accelerator. On a build without one the pair refuses before anything steps; on
+a build with one, the results equal DDP + the standard loop. On FSDP2 a resumed run ends bitwise where an
+uninterrupted FSDP2 run with the standard loop ends. All scenarios share one process group.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dist_optim import apply_optimizer_in_backward, get_in_backward_optimizers
+from helpers import batches, make_model, train_in_backward, train_standard
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
 
@@ -117,7 +119,57 @@ def _ddp_wrapped_model_is_freed(rank, attached):
     return refs
 
 
-def _scenarios(rank, attached):
+def _fsdp2_dcp_resume_is_exact(rank, ckpt_dir):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def sharded(seed):
+        model = make_model(seed, width=16)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1}
+    data = batches(6, width=16, seed=10 + rank)
+    model, ref = sharded(0), sharded(0)
+    apply_optimizer_in_backward(torch.optim.AdamW, model.parameters(), kwargs)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **kwargs)  # the for-loop on both sides: bitwise
+    train_in_backward(model, data[:3])
+    train_standard(ref, ref_opt, data[:3])
+    saved = get_optimizer_state_dict(model, get_in_backward_optimizers(model))
+    dcp.save({"model": get_model_state_dict(model), "optim": saved}, checkpoint_id=ckpt_dir)
+
+    resumed = sharded(5)
+    apply_optimizer_in_backward(torch.optim.AdamW, resumed.parameters(), kwargs)
+    opts = get_in_backward_optimizers(resumed)
+    target = {"model": get_model_state_dict(resumed), "optim": get_optimizer_state_dict(resumed, opts)}
+    dcp.load(target, checkpoint_id=ckpt_dir)
+    set_model_state_dict(resumed, target["model"])
+    set_optimizer_state_dict(resumed, opts, target["optim"])
+    train_in_backward(resumed, data[3:])
+    train_standard(ref, ref_opt, data[3:])
+    for (name, p), q in zip(resumed.named_parameters(), ref.parameters()):
+        assert torch.equal(p.full_tensor(), q.full_tensor()), f"{name} differs after the resume"
+    ours, theirs = get_optimizer_state_dict(resumed, opts), get_optimizer_state_dict(ref, ref_opt)
+    assert ours["state"].keys() == theirs["state"].keys() and len(ours["state"]) == 10
+    for fqn, state in theirs["state"].items():
+        for key, v in state.items():
+            w = ours["state"][fqn][key]
+            assert torch.equal(w.full_tensor() if hasattr(w, "full_tensor") else w,
+                               v.full_tensor() if hasattr(v, "full_tensor") else v), f"{fqn}[{key!r}]"
+
+
+def _scenarios(rank, attached, result_dir):
+    yield "FSDP2/DCP resume", lambda: _fsdp2_dcp_resume_is_exact(rank, os.path.join(result_dir, "ckpt"))
     if ACCELERATOR:
         for name, cls, kwargs in [("SGD", torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
                                   ("Adam", torch.optim.Adam, {"lr": 1e-2})]:
@@ -145,7 +197,7 @@ def _worker(rank: int, world: int, store_path: str, result_dir: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     failures = []
     try:
-        for name, run in _scenarios(rank, attached):
+        for name, run in _scenarios(rank, attached, result_dir):
             try:
                 run()
             except Exception:  # collect, so that one failure does not hide the others
