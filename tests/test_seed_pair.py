@@ -242,3 +242,24 @@ def _assert_same_fqn_state(ours: dict, ref: dict) -> None:
             assert torch.equal(ours["state"][fqn][key], v), f"{fqn}[{key!r}]"
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in ours["param_groups"]]
     assert all(h == {k: v for k, v in ref["param_groups"][0].items() if k != "params"} for h in hyper)
+
+
+def test_a_shared_weight_listed_twice_steps_twice_like_a_standard_optimizer_given_it_twice():
+    # torch's test_apply_optimizer_in_backward_shared_params: different options for weights and biases
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
+    ref[0].weight = ref[1].weight
+    model = copy.deepcopy(ref)
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        ref_opts = [torch.optim.SGD([m.weight for m in ref], lr=1.0), torch.optim.SGD([m.bias for m in ref], lr=0.5)]
+    apply_optimizer_in_backward(torch.optim.SGD, [m.weight for m in model], {"lr": 1.0})
+    apply_optimizer_in_backward(torch.optim.SGD, [m.bias for m in model], {"lr": 0.5})
+    assert len(model[0].weight._in_backward_optimizers) == 2
+    x = torch.randn(4, 10, generator=torch.Generator().manual_seed(1))
+    for _ in range(4):
+        ref(x).sum().backward()
+        model(x).sum().backward()
+        for opt in ref_opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert_same_params(model, ref)
