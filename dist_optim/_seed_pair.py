@@ -65,9 +65,10 @@ def _ddp_can_take_over() -> bool:
 
 def _ddp_alternative(p: torch.Tensor) -> str:
     return (
-        f"a process group with {_world(p)} ranks is initialised, and on this build without an accelerator "
-        "torch's DistributedDataParallel cannot step optimizers attached by apply_optimizer_in_backward (its "
-        "end-of-backward callback calls torch.accelerator.current_stream(), which raises after the step). Wrap "
+        f"a process group with {_world(p)} ranks is initialised: each rank's hook would see its local, un-reduced "
+        "gradient unless DistributedDataParallel takes the step over, and on this build without an accelerator "
+        "torch's DDP cannot step optimizers attached by apply_optimizer_in_backward (its end-of-backward callback "
+        "calls torch.accelerator.current_stream(), which raises after the step). Wrap "
         "the model in DDP and use dist_optim.InBackwardOptimizer(ddp_model, optimizer_class, **optimizer_kwargs), "
         "which steps in backward after each bucket's all-reduce; or pass allow_local_steps=True if local steps "
         "without DDP are what you want (local SGD)"
@@ -126,7 +127,7 @@ def apply_optimizer_in_backward(
             DDP's ignore list) on their local, un-reduced gradients (local SGD).
 
     Raises:
-        NotImplementedError: in a multi-rank job on a build without an accelerator, unless ``allow_local_steps``.
+        RuntimeError: in a multi-rank job on a build without an accelerator, unless ``allow_local_steps``.
 
     Example:
         >>> import torch, dist_optim
@@ -144,7 +145,7 @@ def apply_optimizer_in_backward(
     if not allow_local_steps and not _ddp_can_take_over():
         for p in params:
             if _world(p) > 1:
-                raise NotImplementedError(_ddp_alternative(p))
+                raise RuntimeError(_ddp_alternative(p))
     if register_hook:
         for p in params:
             check_unowned([p], p.__dict__.get("_in_backward_optimizers"), lambda t: f"of shape {tuple(t.shape)}")

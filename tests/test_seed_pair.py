@@ -12,7 +12,16 @@ from torch import nn
 from torch.distributed.optim import _apply_optimizer_in_backward, _get_in_backward_optimizers
 
 from dist_optim import InBackwardOptimizer, apply_optimizer_in_backward, get_in_backward_optimizers
-from helpers import assert_same_params, assert_same_state, batches, loss_of, make_model, train_in_backward, train_standard, twins
+from helpers import (
+    assert_same_params,
+    assert_same_state,
+    batches,
+    loss_of,
+    make_model,
+    train_in_backward,
+    train_standard,
+    twins,
+)
 
 
 @pytest.mark.parametrize(
