@@ -18,16 +18,16 @@ from helpers import assert_same_params, batches, loss_of, make_model, train_in_b
 
 # foreach on both sides: the same kernel, so the comparison is bitwise
 NONTENSOR_STEP = {
-    "Adam": (torch.optim.Adam, dict(lr=1e-2)),
-    "AdamW": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
-    "Adagrad": (torch.optim.Adagrad, dict(lr=0.1)),
-    "ASGD": (torch.optim.ASGD, dict(lr=1e-2, t0=1)),
-    "RMSprop": (torch.optim.RMSprop, dict(lr=1e-2, momentum=0.5)),
-    "NAdam": (torch.optim.NAdam, dict(lr=1e-2)),
-    "RAdam": (torch.optim.RAdam, dict(lr=1e-2)),
-    "Adamax": (torch.optim.Adamax, dict(lr=1e-2)),
-    "Adadelta": (torch.optim.Adadelta, dict(lr=1.0)),
-    "Rprop": (torch.optim.Rprop, dict(lr=1e-2)),
+    "Adam": (torch.optim.Adam, {"lr": 1e-2}),
+    "AdamW": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    "Adagrad": (torch.optim.Adagrad, {"lr": 0.1}),
+    "ASGD": (torch.optim.ASGD, {"lr": 1e-2, "t0": 1}),
+    "RMSprop": (torch.optim.RMSprop, {"lr": 1e-2, "momentum": 0.5}),
+    "NAdam": (torch.optim.NAdam, {"lr": 1e-2}),
+    "RAdam": (torch.optim.RAdam, {"lr": 1e-2}),
+    "Adamax": (torch.optim.Adamax, {"lr": 1e-2}),
+    "Adadelta": (torch.optim.Adadelta, {"lr": 1.0}),
+    "Rprop": (torch.optim.Rprop, {"lr": 1e-2}),
 }
 
 
