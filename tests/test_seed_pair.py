@@ -206,19 +206,22 @@ def test_dropping_the_model_frees_it_after_its_hooks_are_removed():
     assert all(r() is None for r in refs)
 
 
+@pytest.mark.parametrize("flatten", [False, True])  # torchtitan saves flattened
 @pytest.mark.parametrize(
     "cls,kwargs", [(torch.optim.AdamW, {"lr": 1e-2}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})]
 )
-def test_dcp_optimizer_state_dict_over_the_pair_resumes_exactly(tmp_path, cls, kwargs):
+def test_dcp_optimizer_state_dict_over_the_pair_resumes_exactly(tmp_path, cls, kwargs, flatten):
     # torchtitan's way of saving: get_optimizer_state_dict(model, get_in_backward_optimizers(model))
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
     data = batches(6)
     model, ref = twins()
     apply_optimizer_in_backward(cls, model.parameters(), kwargs)
@@ -228,15 +231,16 @@ def test_dcp_optimizer_state_dict_over_the_pair_resumes_exactly(tmp_path, cls, k
     osd = get_optimizer_state_dict(model, get_in_backward_optimizers(model))
     _assert_same_fqn_state(osd, get_optimizer_state_dict(ref, ref_opt))
     assert len(osd["param_groups"]) == len(list(model.parameters()))  # one group per in-backward optimizer
-    dcp.save({"model": get_model_state_dict(model), "optim": osd}, checkpoint_id=str(tmp_path))
+    saved = get_optimizer_state_dict(model, get_in_backward_optimizers(model), options=options)
+    dcp.save({"model": get_model_state_dict(model), "optim": saved}, checkpoint_id=str(tmp_path))
 
     resumed = make_model(seed=5)
     apply_optimizer_in_backward(cls, resumed.parameters(), kwargs)
     opts = get_in_backward_optimizers(resumed)
-    target = {"model": get_model_state_dict(resumed), "optim": get_optimizer_state_dict(resumed, opts)}
+    target = {"model": get_model_state_dict(resumed), "optim": get_optimizer_state_dict(resumed, opts, options=options)}
     dcp.load(target, checkpoint_id=str(tmp_path))
     set_model_state_dict(resumed, target["model"])
-    set_optimizer_state_dict(resumed, opts, target["optim"])
+    set_optimizer_state_dict(resumed, opts, target["optim"], options=options)
     train_in_backward(resumed, data[3:])
     train_standard(ref, ref_opt, data[3:])
     assert_same_params(resumed, ref)
