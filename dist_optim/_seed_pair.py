@@ -47,8 +47,8 @@ def _make_hook(allow_local_steps: bool):
 
 
 def _world(p: torch.Tensor) -> int:
-    """Ranks whose gradients this parameter's hook would ignore: 1 in a single process and for DTensor
-    parameters (FSDP2 reduce-scatters before their hooks)."""
+    """The number of ranks whose gradients meet at this parameter's hook only if something reduces them first:
+    1 in a single process and for DTensor parameters (FSDP2 reduce-scatters before their hooks)."""
     dist = torch.distributed
     if is_dtensor(p) or not (dist.is_available() and dist.is_initialized()):
         return 1

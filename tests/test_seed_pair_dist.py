@@ -4,30 +4,34 @@ FSDP2 with torchtitan's DCP checkpoint (``get_optimizer_state_dict(model, get_in
 torch's DDP steps parameters that carry ``_in_backward_optimizers`` from its own communication hook, whose
 end-of-backward callback needs an accelerator. On a build without one the pair refuses before anything steps; on
 a build with one, the results equal DDP + the standard loop. On FSDP2 a resumed run ends bitwise where an
-uninterrupted FSDP2 run with the standard loop ends. All scenarios share one process group.
+uninterrupted FSDP2 run with the standard loop ends. Scenarios run on the shared gloo ranks (tests/dist_runner.py);
+those that attach the pair before the process group exists get ranks of their own.
 """
 
 from __future__ import annotations
 
 import copy
 import gc
-import os
-import traceback
 import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dist_optim import apply_optimizer_in_backward, get_in_backward_optimizers
-from helpers import batches, make_model, train_in_backward, train_standard
+from dist_runner import run_fresh
+from helpers import ADAMW_HPARAMS, WIDTH, batches, make_model, train_in_backward, train_standard
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
 
 ACCELERATOR = torch.accelerator.is_available()
+# torch's DDP path for the pair needs an accelerator build; without one the pair refuses, and that is tested instead
+NEEDS_ACCELERATOR = pytest.mark.skipif(
+    not ACCELERATOR, reason="torch's DDP steps the pair's optimizers only on a build with an accelerator; this one "
+    "has none, so the pair refuses there (test_refused_*)")
+REFUSAL = r"(?s)un-reduced gradient.*without an accelerator.*InBackwardOptimizer\(ddp_model"
 
 
 def _net() -> nn.Module:
@@ -46,8 +50,8 @@ class _TwoLin(nn.Module):
         return self.a(x), self.b(x)
 
 
-def _equal_to_ddp_and_the_standard_loop(rank, cls, kwargs, init_before, view):
-    torch.manual_seed(rank)  # different data on each rank, or the all-reduce would change nothing
+def _equal_to_ddp_and_the_standard_loop(ctx, cls, kwargs, init_before, view):
+    torch.manual_seed(ctx.rank)  # different data on each rank, or the all-reduce would change nothing
     base = _net()
     ref = DDP(copy.deepcopy(base), gradient_as_bucket_view=view)
     ref_opt = cls(ref.parameters(), **kwargs)
@@ -68,8 +72,8 @@ def _equal_to_ddp_and_the_standard_loop(rank, cls, kwargs, init_before, view):
             assert p.grad is None, f"{name}.grad left after backward"
 
 
-def _ignored_parameter_steps_locally(rank, init_before):
-    torch.manual_seed(rank)
+def _ignored_parameter_steps_locally(ctx, init_before):
+    torch.manual_seed(ctx.rank)
     model = _TwoLin()
     DDP._set_params_and_buffers_to_ignore_for_model(model, ["a.weight"])
     # a DDP-ignored parameter steps on its local gradient, as in DDP's standard loop: say so
@@ -86,12 +90,11 @@ def _ignored_parameter_steps_locally(rank, init_before):
     assert torch.equal(gathered[0][1], gathered[1][1])  # b.weight: averaged
 
 
-def _refused_at_the_call(rank, wrap_first):
+def _refused_at_the_call(ctx, wrap_first):
     model = _net()
     before = [p.detach().clone() for p in model.parameters()]
     ddp = DDP(model) if wrap_first else None
-    refusal = r"(?s)un-reduced gradient.*without an accelerator.*InBackwardOptimizer\(ddp_model"
-    with pytest.raises(RuntimeError, match=refusal):
+    with pytest.raises(RuntimeError, match=REFUSAL):
         apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
     assert not any(hasattr(p, "_in_backward_optimizers") for p in model.parameters())
     ddp = ddp if ddp is not None else DDP(model)
@@ -100,28 +103,39 @@ def _refused_at_the_call(rank, wrap_first):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
-def _refused_in_the_first_backward(rank, attached):
-    """The pair was attached while the process had no group yet; the model is then DDP-wrapped."""
+def _attached_before_the_group(ctx) -> nn.Module:
+    """A script that builds its model and attaches the pair first, then joins the job (and wraps in DDP)."""
+    model = _net()
+    apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
+    ctx.init_process_group()
+    return model
+
+
+def _refused_in_the_first_backward(ctx):
+    attached = _attached_before_the_group(ctx)
     before = [p.detach().clone() for p in attached.parameters()]
     ddp = DDP(attached)
-    refusal = r"(?s)un-reduced gradient.*without an accelerator.*InBackwardOptimizer\(ddp_model.*nothing was"
-    with pytest.raises(RuntimeError, match=refusal):
+    with pytest.raises(RuntimeError, match=REFUSAL + ".*nothing was stepped"):
         ddp(torch.randn(4, 3)).sum().backward()
     assert all(torch.equal(p, q) for p, q in zip(attached.parameters(), before))
     assert all(len(p._in_backward_optimizers) == 1 and not p._in_backward_optimizers[0].state
                for p in attached.parameters())
 
 
-def _ddp_wrapped_model_is_freed(rank, attached):
+def _ddp_wrapped_model_is_freed(ctx):
+    attached = _attached_before_the_group(ctx)
     ddp = DDP(attached)
     ddp(torch.randn(4, 3))  # DDP's first forward: it looks at _in_backward_optimizers and sets its hooks up
     if ACCELERATOR:
         ddp(torch.randn(4, 3)).sum().backward()
     refs = [weakref.ref(p) for p in attached.parameters()]
-    return refs
+    del ddp, attached
+    gc.collect()
+    alive = [r for r in refs if r() is not None]
+    assert not alive, f"{len(alive)} of {len(refs)} parameters alive after del and gc.collect()"
 
 
-def _fsdp2_dcp_resume_is_exact(rank, ckpt_dir):
+def _fsdp2_dcp_resume_is_exact(ctx, ckpt_dir):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -132,19 +146,19 @@ def _fsdp2_dcp_resume_is_exact(rank, ckpt_dir):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = ctx.cached("fsdp-mesh", lambda: init_device_mesh("cpu", (ctx.world,)))
 
     def sharded(seed):
-        model = make_model(seed, width=16)
+        model = make_model(seed, width=WIDTH)
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         return fully_shard(model, mesh=mesh)
 
-    kwargs = {"lr": 1e-2, "weight_decay": 0.1}
-    data = batches(6, width=16, seed=10 + rank)
+    kwargs = ADAMW_HPARAMS  # no kernel named: the for-loop on both sides
+    data = batches(6, width=WIDTH, seed=10 + ctx.rank)
     model, ref = sharded(0), sharded(0)
     apply_optimizer_in_backward(torch.optim.AdamW, model.parameters(), kwargs)
-    ref_opt = torch.optim.AdamW(ref.parameters(), **kwargs)  # the for-loop on both sides: bitwise
+    ref_opt = torch.optim.AdamW(ref.parameters(), **kwargs)
     train_in_backward(model, data[:3])
     train_standard(ref, ref_opt, data[:3])
     saved = get_optimizer_state_dict(model, get_in_backward_optimizers(model))
@@ -170,57 +184,37 @@ def _fsdp2_dcp_resume_is_exact(rank, ckpt_dir):
                                v.full_tensor() if hasattr(v, "full_tensor") else v), f"{fqn}[{key!r}]"
 
 
-def _scenarios(rank, attached, result_dir):
-    yield "FSDP2/DCP resume", lambda: _fsdp2_dcp_resume_is_exact(rank, os.path.join(result_dir, "ckpt"))
-    if ACCELERATOR:
-        for name, cls, kwargs in [("SGD", torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
-                                  ("Adam", torch.optim.Adam, {"lr": 1e-2})]:
-            for view in (False, True):
-                for init_before in (True, False):
-                    yield (f"{name}/bucket_view={view}/init_before={init_before}",
-                           lambda c=cls, k=kwargs, v=view, i=init_before: _equal_to_ddp_and_the_standard_loop(
-                               rank, c, k, i, v))
-        for init_before in (True, False):
-            yield f"ignored/init_before={init_before}", lambda i=init_before: _ignored_parameter_steps_locally(rank, i)
-    else:
-        for wrap_first in (False, True):
-            yield f"refused at the call/wrap_first={wrap_first}", lambda w=wrap_first: _refused_at_the_call(rank, w)
-        yield "refused in the first backward", lambda: _refused_in_the_first_backward(rank, attached.pop())
+@NEEDS_ACCELERATOR
+@pytest.mark.parametrize("init_before", [True, False], ids=["attach-then-wrap", "wrap-then-attach"])
+@pytest.mark.parametrize("view", [False, True], ids=["copy", "bucket_view"])
+@pytest.mark.parametrize(
+    "cls,kwargs", [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.Adam, {"lr": 1e-2})],
+    ids=["SGD", "Adam"],
+)
+def test_ddp_equals_ddp_and_the_standard_loop(ranks, cls, kwargs, view, init_before):
+    ranks.run(2, _equal_to_ddp_and_the_standard_loop, cls=cls, kwargs=kwargs, init_before=init_before, view=view)
 
 
-def _worker(rank: int, world: int, store_path: str, result_dir: str) -> None:
-    torch.set_num_threads(1)
-    # attached before the process group exists, as a script that builds its model first would
-    attached = []
-    for _ in range(2):
-        model = _net()
-        apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
-        attached.append(model)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-    failures = []
-    try:
-        for name, run in _scenarios(rank, attached, result_dir):
-            try:
-                run()
-            except Exception:  # collect, so that one failure does not hide the others
-                failures.append(f"{name}: {traceback.format_exc(limit=3)}")
-            dist.barrier()
-        try:
-            refs = _ddp_wrapped_model_is_freed(rank, attached.pop())
-            gc.collect()
-            alive = [r for r in refs if r() is not None]
-            assert not alive, f"{len(alive)} of {len(refs)} parameters alive after del and gc.collect()"
-        except Exception:
-            failures.append(f"freed after DDP-wrapping: {traceback.format_exc(limit=3)}")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
-        f.write("\n".join(failures))
+@NEEDS_ACCELERATOR
+@pytest.mark.parametrize("init_before", [True, False], ids=["attach-then-wrap", "wrap-then-attach"])
+def test_ddp_ignored_parameter_steps_locally(ranks, init_before):
+    ranks.run(2, _ignored_parameter_steps_locally, init_before=init_before)
 
 
-def test_seed_pair_under_ddp(tmp_path):
-    world = 2
-    mp.spawn(_worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True)
-    failures = [(tmp_path / f"rank{r}.txt").read_text() for r in range(world)]
-    assert not any(failures), "failed scenarios (name: traceback):\n" + "\n".join(failures)
+@pytest.mark.skipif(ACCELERATOR, reason="with an accelerator torch's DDP steps the pair (test_ddp_equals_*)")
+@pytest.mark.parametrize("wrap_first", [False, True], ids=["attach-then-wrap", "wrap-then-attach"])
+def test_refused_at_the_call_without_an_accelerator(ranks, wrap_first):
+    ranks.run(2, _refused_at_the_call, wrap_first=wrap_first)
+
+
+@pytest.mark.skipif(ACCELERATOR, reason="with an accelerator torch's DDP steps the pair (test_ddp_equals_*)")
+def test_refused_in_the_first_backward_without_an_accelerator():
+    run_fresh(2, _refused_in_the_first_backward, init=False)
+
+
+def test_ddp_wrapped_model_is_freed():
+    run_fresh(2, _ddp_wrapped_model_is_freed, init=False)
+
+
+def test_fsdp2_dcp_resume_is_exact(ranks, tmp_path):
+    ranks.run(2, _fsdp2_dcp_resume_is_exact, ckpt_dir=str(tmp_path / "ckpt"))
