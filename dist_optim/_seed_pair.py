@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from dist_optim._inputs import check_optimizer_class, check_tensor, is_dtensor
 from dist_optim._owners import check_unowned, record_owner
@@ -24,13 +25,18 @@ __all__: list[str] = []
 
 class _InBackwardOptimizers(list):
     """``param._in_backward_optimizers``: a list as in torch, weak-referenceable so it can own the parameter's
-    gradient in the owner registry (a plain list cannot be weakly referenced), with the handle of its hook."""
+    gradient in the owner registry (a plain list cannot be weakly referenced)."""
 
-    handle: RemovableHandle | None = None
 
-    def hooked(self) -> bool:
-        hooks = self.handle.hooks_dict_ref() if self.handle is not None else None
-        return hooks is not None and self.handle.id in hooks
+# param -> the handle of its hook. A handle refers to its hooks weakly, so the map keeps nothing alive; it stays
+# off the parameter, whose __dict__ travels with a pickled module.
+_HANDLES: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def _hooked(p: torch.Tensor) -> bool:
+    handle = _HANDLES.get(p)
+    hooks = handle.hooks_dict_ref() if handle is not None else None
+    return hooks is not None and handle.id in hooks
 
 
 def _make_hook(allow_local_steps: bool):
@@ -163,11 +169,10 @@ def apply_optimizer_in_backward(
         p._in_backward_optimizers.append(opt)
         p._optimizer_classes.append(optimizer_class)
         p._optimizer_kwargs.append(optimizer_kwargs)
-        if register_hook and not p._in_backward_optimizers.hooked():
-            owner = p._in_backward_optimizers
-            owner.handle = p.register_post_accumulate_grad_hook(_make_hook(allow_local_steps))
-            record_owner(p, owner, owner.handle)
-            _register_for_ddp(p, owner.handle)
+        if register_hook and not _hooked(p):
+            handle = _HANDLES[p] = p.register_post_accumulate_grad_hook(_make_hook(allow_local_steps))
+            record_owner(p, p._in_backward_optimizers, handle)
+            _register_for_ddp(p, handle)
 
 
 def get_in_backward_optimizers(module: torch.nn.Module) -> list[torch.optim.Optimizer]:
