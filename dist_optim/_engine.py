@@ -430,7 +430,10 @@ class Engine:
         ``parts`` (group index, tensors: the owner's current groups) form one bucket, settled as a whole step.
         Returns whether it stepped; the caller ends the step (``policy.end``, post hooks)."""
         params = [p for _, ps in parts for p in ps]
-        b = _Bucket(list(range(len(params))), params, self.recipe.build([(gi, False, ps) for gi, ps in parts]),
+        # gradients set by hand may be sparse although no backward has shown it: they take the for-loop
+        split = [(gi, s, [p for p in ps if (p.grad is not None and p.grad.is_sparse) == s]) for gi, ps in parts
+                 for s in (False, True)]
+        b = _Bucket(list(range(len(params))), params, self.recipe.build([part for part in split if part[2]]),
                     [0] * len(params))  # its gradients are kept: nothing is counted
         policy = self.owner.grad_policy()
         bw = _Backward(-1, -1, True, policy, frees_grads=False)

@@ -272,6 +272,12 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         filled = probe.param_groups[0]
         names = filled.get("param_names") or [f"param_groups[{len(self.param_groups)}][{k}]"
                                                for k in range(len(filled["params"]))]
+        if self.param_groups and ("param_names" in filled) != ("param_names" in self.param_groups[0]):
+            raise ValueError(
+                "all optimizer param groups should be with/without names. cannot add param group "
+                f"{'with' if 'param_names' in filled else 'without'} names to the optimizer; give every group "
+                "(name, tensor) pairs, e.g. from named_parameters(), or none"
+            )
         by_id = {id(p): n for p, n in zip(filled["params"], names)}
         check_unowned(filled["params"], self, lambda p: by_id.get(id(p), "<unknown>"))
         self.state.update(probe.state)  # state some classes create at construction (Adagrad's sum)
@@ -566,11 +572,22 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict written by this class or by ``optimizer_class`` itself (same format)."""
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "in_backward"})
+        self._convert_loaded_state()
         self._recipe.choose_kernels()
         self._engine.rebuild()
         first = next((p for g in self.param_groups for p in g["params"]), None)
         if first is not None:
             self._policy.load_extra_state(state_dict.get("in_backward") or {}, like=first)
+
+    def _convert_loaded_state(self) -> None:
+        """Let each group's optimizer class bring loaded state and groups to its current format, as its own
+        ``__setstate__`` does in ``load_state_dict`` (older checkpoints hold ``step`` as a plain number, which the
+        kernels refuse); ours is ``Optimizer.__setstate__``, which converts nothing."""
+        for cls in dict.fromkeys(self._recipe.classes):
+            groups = [g for c, g in zip(self._recipe.classes, self.param_groups) if c is cls]
+            state = {p: self.state[p] for g in groups for p in g["params"] if p in self.state}
+            shell = cls.__new__(cls)  # the class's own conversion, run on our groups and state dicts in place
+            cls.__setstate__(shell, {"defaults": dict(self.defaults), "state": state, "param_groups": groups})
 
     def remove(self) -> None:
         """Detach every hook. The model then trains with a standard optimizer again, and this object behaves as

@@ -12,7 +12,16 @@ from torch import nn
 from torch.distributed.optim import _apply_optimizer_in_backward, _get_in_backward_optimizers
 
 from dist_optim import InBackwardOptimizer, apply_optimizer_in_backward, get_in_backward_optimizers
-from helpers import assert_same_params, batches, loss_of, make_model, train_in_backward, train_standard, twins
+from helpers import (
+    assert_same_params,
+    assert_same_state,
+    batches,
+    loss_of,
+    make_model,
+    train_in_backward,
+    train_standard,
+    twins,
+)
 
 
 @pytest.mark.parametrize(
@@ -136,3 +145,134 @@ def test_pair_and_facade_cannot_both_consume_a_gradient():
     with pytest.raises(ValueError, match="already stepped in backward by InBackwardOptimizer"):
         apply_optimizer_in_backward(torch.optim.SGD, other.parameters(), {"lr": 0.1})
     assert opt is not None
+
+
+def test_optimizers_hold_the_models_own_parameters_as_torch_lays_them_out():
+    ours, theirs = twins()
+    apply_optimizer_in_backward(torch.optim.SGD, ours.parameters(), {"lr": 0.1})
+    apply_optimizer_in_backward(torch.optim.Adam, ours.parameters(), {"lr": 1e-2}, register_hook=False)
+    _apply_optimizer_in_backward(torch.optim.SGD, theirs.parameters(), {"lr": 0.1})
+    _apply_optimizer_in_backward(torch.optim.Adam, theirs.parameters(), {"lr": 1e-2}, register_hook=False)
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert [type(o) for o in p._in_backward_optimizers] == [type(o) for o in q._in_backward_optimizers]
+        assert p._optimizer_classes == q._optimizer_classes and p._optimizer_kwargs == q._optimizer_kwargs
+        assert all(o.param_groups[0]["params"] == [p] and o.param_groups[0]["params"][0] is p
+                   for o in p._in_backward_optimizers)
+    opts = get_in_backward_optimizers(ours)
+    assert [o.param_groups[0]["params"][0] for o in opts] == [p for p in ours.parameters() for _ in range(2)]
+    # code that pairs an optimizer's params with the module's names finds every one
+    names = {p: n for n, p in ours.named_parameters()}
+    assert [names[o.param_groups[0]["params"][0]] for o in opts[::2]] == [n for n, _ in ours.named_parameters()]
+
+
+def test_stepping_the_optimizers_by_hand_updates_the_model_like_a_standard_optimizer():
+    # torchtune's memory test: set .grad by hand, call each in-backward optimizer's step()
+    model, ref = twins()
+    apply_optimizer_in_backward(torch.optim.AdamW, model.parameters(), {"lr": 1e-2})
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), ref.parameters()):
+                p.grad = torch.rand(p.shape, generator=g)
+                q.grad = p.grad.clone()
+        for opt in get_in_backward_optimizers(model):
+            opt.step()
+            opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_same_params(model, ref)
+    saved = [copy.deepcopy(o.state_dict()) for o in get_in_backward_optimizers(model)]
+    other = make_model()
+    apply_optimizer_in_backward(torch.optim.AdamW, other.parameters(), {"lr": 1e-2})
+    for opt, sd in zip(get_in_backward_optimizers(other), saved):
+        opt.load_state_dict(sd)
+    for opt, sd in zip(get_in_backward_optimizers(other), saved):
+        assert_same_state(opt.state_dict(), sd)
+
+
+def test_dropping_the_model_frees_it_after_its_hooks_are_removed():
+    from torch.distributed.optim.apply_optimizer_in_backward import param_to_optim_hook_handle_map
+
+    model = make_model()
+    apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1, "momentum": 0.9})
+    loss_of(model, batches(1)[0]).backward()
+    for p in model.parameters():  # what DDP does when it takes the step over
+        for handle in param_to_optim_hook_handle_map.get(p, []):
+            handle.remove()
+    refs = [weakref.ref(p) for p in model.parameters()]
+    del model, p
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("flatten", [False, True])  # torchtitan saves flattened
+@pytest.mark.parametrize(
+    "cls,kwargs", [(torch.optim.AdamW, {"lr": 1e-2}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})]
+)
+def test_dcp_optimizer_state_dict_over_the_pair_resumes_exactly(tmp_path, cls, kwargs, flatten):
+    # torchtitan's way of saving: get_optimizer_state_dict(model, get_in_backward_optimizers(model))
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    data = batches(6)
+    model, ref = twins()
+    apply_optimizer_in_backward(cls, model.parameters(), kwargs)
+    ref_opt = cls(ref.parameters(), **kwargs)
+    train_in_backward(model, data[:3])
+    train_standard(ref, ref_opt, data[:3])
+    osd = get_optimizer_state_dict(model, get_in_backward_optimizers(model))
+    _assert_same_fqn_state(osd, get_optimizer_state_dict(ref, ref_opt))
+    assert len(osd["param_groups"]) == len(list(model.parameters()))  # one group per in-backward optimizer
+    saved = get_optimizer_state_dict(model, get_in_backward_optimizers(model), options=options)
+    dcp.save({"model": get_model_state_dict(model), "optim": saved}, checkpoint_id=str(tmp_path))
+
+    resumed = make_model(seed=5)
+    apply_optimizer_in_backward(cls, resumed.parameters(), kwargs)
+    opts = get_in_backward_optimizers(resumed)
+    target = {"model": get_model_state_dict(resumed), "optim": get_optimizer_state_dict(resumed, opts, options=options)}
+    dcp.load(target, checkpoint_id=str(tmp_path))
+    set_model_state_dict(resumed, target["model"])
+    set_optimizer_state_dict(resumed, opts, target["optim"], options=options)
+    train_in_backward(resumed, data[3:])
+    train_standard(ref, ref_opt, data[3:])
+    assert_same_params(resumed, ref)
+    _assert_same_fqn_state(get_optimizer_state_dict(resumed, opts), get_optimizer_state_dict(ref, ref_opt))
+
+
+def _assert_same_fqn_state(ours: dict, ref: dict) -> None:
+    assert ours["state"].keys() == ref["state"].keys()
+    for fqn, state in ref["state"].items():
+        assert state.keys() == ours["state"][fqn].keys()
+        for key, v in state.items():
+            assert torch.equal(ours["state"][fqn][key], v), f"{fqn}[{key!r}]"
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in ours["param_groups"]]
+    assert all(h == {k: v for k, v in ref["param_groups"][0].items() if k != "params"} for h in hyper)
+
+
+def test_a_shared_weight_listed_twice_steps_twice_like_a_standard_optimizer_given_it_twice():
+    # torch's test_apply_optimizer_in_backward_shared_params: different options for weights and biases
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
+    ref[0].weight = ref[1].weight
+    model = copy.deepcopy(ref)
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        ref_opts = [torch.optim.SGD([m.weight for m in ref], lr=1.0), torch.optim.SGD([m.bias for m in ref], lr=0.5)]
+    apply_optimizer_in_backward(torch.optim.SGD, [m.weight for m in model], {"lr": 1.0})
+    apply_optimizer_in_backward(torch.optim.SGD, [m.bias for m in model], {"lr": 0.5})
+    assert len(model[0].weight._in_backward_optimizers) == 2
+    x = torch.randn(4, 10, generator=torch.Generator().manual_seed(1))
+    for _ in range(4):
+        ref(x).sum().backward()
+        model(x).sum().backward()
+        for opt in ref_opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert_same_params(model, ref)
