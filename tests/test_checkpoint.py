@@ -524,3 +524,32 @@ def test_another_optimizer_class_is_refused_and_the_weights_alone_load(tmp_path,
     assert_same_params(target, make_model(seed=3))  # refused before anything was transferred
     load(tmp_path / "ckpt", model=target)  # the opt-in: weights only
     assert_same_params(target, model)
+
+
+def test_an_incomplete_in_backward_step_is_not_saved_unless_forced(tmp_path):
+    model = make_model()
+    opt = dist_optim.InBackwardOptimizer(model.parameters(), torch.optim.AdamW, per_parameter=True, **ADAMW)
+    x, y = batches(1)[0]
+
+    def boom(grad):
+        raise RuntimeError("boom")
+
+    h = torch.tanh(model.layers[0](x))
+    h.register_hook(boom)  # raises after the layers above it were stepped
+    out = model.head(model.norm(torch.tanh(model.layers[2](torch.tanh(model.layers[1](h))))))
+    with pytest.raises(RuntimeError, match="boom"):
+        nn.functional.mse_loss(out, y).backward()
+    assert opt.step_incomplete
+    with pytest.raises(CheckpointError, match="in-backward step is incomplete.*force=True"):
+        save(tmp_path / "refused", model=model, optimizer=opt)
+    assert not (tmp_path / "refused").exists() and not list(tmp_path.iterdir())
+    manager = CheckpointManager(tmp_path / "managed")
+    with pytest.raises(CheckpointError, match="incomplete"):
+        manager.save(1, model=model, optimizer=opt)
+    manager.save(1, model=model, optimizer=opt, force=True)
+    save(tmp_path / "forced", model=model, optimizer=opt, force=True)
+    steps = {p: int(s["step"]) for p, s in opt.state.items()}
+    fresh = make_model(seed=5)
+    fresh_opt = dist_optim.InBackwardOptimizer(fresh.parameters(), torch.optim.AdamW, **ADAMW)
+    load(tmp_path / "forced", model=fresh, optimizer=fresh_opt)
+    assert sorted(int(s["step"]) for s in fresh_opt.state.values()) == sorted(steps.values())  # what was saved

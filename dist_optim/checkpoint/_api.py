@@ -75,6 +75,7 @@ def save(
     step: int | None = None,
     async_save: bool = False,
     process_group: Any = None,
+    force: bool = False,
 ) -> AsyncSave | None:
     """Write a sharded checkpoint to the folder ``path``, atomically. Call it on every rank.
 
@@ -92,13 +93,20 @@ def save(
             in the next backward do not leak into the checkpoint.
         process_group: the group to save over (default: the default group). Async saves should use a group of their
             own (the :class:`CheckpointManager` makes one), since the upload runs collectives from another thread.
+        force: save even if the optimizer's in-backward step is incomplete on some rank
+            (:attr:`~dist_optim.InBackwardOptimizer.step_incomplete`: a backward raised or was interrupted after some
+            buckets stepped, so layers disagree on the step count). Without it such a save is refused.
+
+    Raises:
+        CheckpointError: the optimizer's step is incomplete (on every rank, so none waits for the others), or the
+            write failed.
 
     Each rank writes its own shards; DTensor state stays sharded, replicated tensors are written once. Nothing is
     visible at ``path`` until every rank has finished and rank 0 has renamed ``<path>.partial`` to ``path``; a
     crash leaves at most a ``.partial`` folder, which :func:`load` refuses and discovery ignores.
     """
     objects = Objects(model, optimizer, schedulers, grad_scaler, averaged_model)
-    return write(SaveRequest(path, objects, extra, step, async_save, process_group))
+    return write(SaveRequest(path, objects, extra, step, async_save, process_group, force=force))
 
 
 def write(req: SaveRequest) -> AsyncSave | None:

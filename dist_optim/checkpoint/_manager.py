@@ -11,7 +11,7 @@ from . import _ranks, _storage
 from ._api import AsyncSave, LoadResult, load, write
 from ._request import Objects, SaveRequest
 
-_SAVE_KEYWORDS = frozenset({"model", "optimizer", "schedulers", "grad_scaler", "averaged_model", "extra"})
+_SAVE_KEYWORDS = frozenset({"model", "optimizer", "schedulers", "grad_scaler", "averaged_model", "extra", "force"})
 
 __all__ = ["CheckpointManager"]
 
@@ -75,10 +75,11 @@ class CheckpointManager:
         if objects.get("model") is None:
             raise TypeError("CheckpointManager.save() needs model=")
         extra = objects.pop("extra", None)
+        force = bool(objects.pop("force", False))
         group = self._save_group if self.async_save else self.process_group
         # pruning is part of rank 0's commit, before the other ranks are released
         request = SaveRequest(self.path_for(step), Objects(**objects), extra, step, self.async_save, group,
-                              after_commit=self._prune)
+                              after_commit=self._prune, force=force)
         self._in_flight = write(request)
 
     def wait(self) -> None:

@@ -16,6 +16,7 @@ from torch import nn
 from .._inputs import is_dtensor
 from ..optimizer import InBackwardOptimizer
 from ._names import canonical_names
+from . import _ranks
 from ._request import LoadRequest, SaveRequest
 from ._storage import CheckpointError
 from ._transfer import Snapshot, Source
@@ -60,10 +61,27 @@ def group_classes(optimizer: torch.optim.Optimizer) -> list[str]:
     return [f"{c.__module__}.{c.__qualname__}" for c in per_group]
 
 
+def _refuse_an_incomplete_step(req: SaveRequest, optimizer: torch.optim.Optimizer) -> None:
+    """A backward that raised after some buckets stepped leaves layers one step apart: such a checkpoint would
+    resume a state no training run ever had. Decided with every rank's flag, so all ranks raise together."""
+    if req.force:
+        return
+    incomplete = isinstance(optimizer, InBackwardOptimizer) and optimizer.step_incomplete
+    ranks = [r for r, flag in enumerate(_ranks.all_gather(incomplete, req.process_group)) if flag]
+    if ranks:
+        where = f" on ranks {ranks}" if _ranks.distributed(req.process_group) else ""
+        raise CheckpointError(
+            f"{req.path}: the optimizer's in-backward step is incomplete{where} (a backward raised or was "
+            "interrupted after some buckets had stepped, so parameters are one step apart). Resume from the last "
+            "checkpoint instead, or pass force=True to save this state anyway"
+        )
+
+
 def collect(req: SaveRequest, snap: Snapshot) -> None:
     optimizer = req.objects.optimizer
     if optimizer is None:
         return
+    _refuse_an_incomplete_step(req, optimizer)
     names = param_names(req.objects.module, optimizer)
     groups, values = [], {}
     for group_names, g, cls in zip(names, optimizer.param_groups, group_classes(optimizer)):

@@ -61,6 +61,7 @@ class SaveRequest:
     async_save: bool = False  # write in the background after copying the state
     process_group: Any = None  # the ranks taking part (None: the default group)
     after_commit: Callable[[], Any] | None = None  # run by rank 0 right after the checkpoint became visible
+    force: bool = False  # save an optimizer whose in-backward step is incomplete (a backward raised mid-step)
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)
