@@ -115,12 +115,16 @@ def test_an_optimizer_that_cannot_step_in_backward_is_refused(tmp_path):
         trainer.create_optimizer()
 
 
-@pytest.mark.xfail(strict=True, reason="core guard pending: several backwards between two step() calls while the "
-                   "optimizer steps every backward (Trainer's gradient_accumulation_steps with the class alone)")
-def test_naive_swap_with_accumulation_is_refused(tmp_path):
-    with pytest.raises(RuntimeError):
+def test_naive_swap_with_accumulation_is_named_or_refused(tmp_path):
+    """The class alone with the Trainer's gradient_accumulation_steps steps on every backward: a warning at the
+    Trainer's step(), an error with strict=True."""
+    with pytest.warns(UserWarning, match=r"backwards each ran a full optimizer step since the last step\(\) call.*accumulation_steps="):
         train(Trainer, tmp_path, optimizer_cls_and_kwargs=(dist_optim.in_backward(torch.optim.AdamW), FUSED_ADAMW),
               gradient_accumulation_steps=4, max_grad_norm=0.0)
+    strict = dist_optim.in_backward(torch.optim.AdamW, strict=True)
+    with pytest.raises(RuntimeError, match="backwards each ran a full optimizer step.*strict=True"):
+        train(Trainer, tmp_path, optimizer_cls_and_kwargs=(strict, FUSED_ADAMW), gradient_accumulation_steps=4,
+              max_grad_norm=0.0)
 
 
 def test_naive_swap_without_accumulation_or_clipping_is_exact(tmp_path):

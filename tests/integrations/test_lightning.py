@@ -102,10 +102,9 @@ def test_checkpoint_and_resume(tmp_path):
     assert trainer.global_step == 8 and logged_norms(trainer) == logged_norms(ref[1])[4:]  # the second epoch
 
 
-@pytest.mark.xfail(strict=True, reason="core guard pending: several backwards between two step() calls while the "
-                   "optimizer steps every backward (Trainer(accumulate_grad_batches=4) without InBackwardCallback)")
-def test_naive_swap_with_accumulation_is_refused(tmp_path):
-    with pytest.raises(RuntimeError):
+def test_naive_swap_with_accumulation_is_named(tmp_path):
+    """Trainer(accumulate_grad_batches=4) without InBackwardCallback steps on every backward: said at step()."""
+    with pytest.warns(UserWarning, match=r"backwards each ran a full optimizer step since the last step\(\) call.*accumulation_steps="):
         fit(tmp_path, True, callback=False, accumulate_grad_batches=4)
 
 
