@@ -330,6 +330,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         if self._recheck_world and torch.distributed.is_available() and torch.distributed.is_initialized():
             self._check_still_single_process()
         if self._no_step_depth:
+            self._backward_steps_since_step = 0  # accumulating knowingly: several steps per step() are meant
             return False
         self._micro_batches += 1
         if self._micro_batches < self._accumulation_steps:
@@ -527,7 +528,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             return
         message = (
             f"{n} backwards each ran a full optimizer step since the last step() call: this optimizer steps inside "
-            f"every backward (accumulation_steps={self._accumulation_steps}), so a loop that accumulates gradients "
+            "every backward (accumulation_steps=1), so a loop that accumulates gradients "
             f"over {n} micro-batches before calling step() made {n} optimizer steps instead of one. Pass "
             f"accumulation_steps={n}, or run the micro-batches that only accumulate inside `with opt.no_step():`, "
             "or use the framework's adapter in dist_optim.integrations"
@@ -634,7 +635,8 @@ class _EngineOwner:
         opt._policy.end(opt)
         opt._check_unowned_grads()
         if stepped:
-            opt._backward_steps_since_step += 1
+            if opt._accumulation_steps == 1:  # with k > 1, a step() that flushes a partial window is meant
+                opt._backward_steps_since_step += 1
             # Through the public step(), so that wrappers installed on it (LR schedulers) see the step happen.
             opt._finishing = True
             try:

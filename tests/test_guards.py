@@ -63,6 +63,17 @@ def test_a_loop_that_steps_each_backward_and_calls_step_is_silent():
     model = make_model()
     opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, strict=True)
     _framework_loop(model, opt, batches(3), 1)
+    # accumulation_steps > 1 flushed by step() at the end of an epoch, or no_step() on the micro-batches: meant
+    model = make_model()
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, accumulation_steps=2, strict=True)
+    _framework_loop(model, opt, batches(5), 5)
+    model = make_model()
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, strict=True)
+    for batch in batches(3):
+        with opt.no_step():
+            loss_of(model, batch).backward()
+        loss_of(model, batch).backward()
+    opt.step()
 
 
 # -- 3 and 4. a backward that raises ----------------------------------------------------------------------------
