@@ -144,7 +144,7 @@ def test_a_parameter_unfrozen_after_construction_is_named_once():
     with _no_warnings():
         loss_of(model, batches(1)[0]).backward()
     # Once given to an optimizer, it trains.
-    opt.add_param_group({"params": [model.layers[0].weight]})
+    opt.add_param_group({"params": [("layers.0.weight", model.layers[0].weight)]})  # named, like the groups it joins
     model.layers[0].weight.grad = None
     before = model.layers[0].weight.detach().clone()
     loss_of(model, batches(1)[0]).backward()
