@@ -38,14 +38,7 @@ def variant(kind: str, mode: str, base: nn.Sequential, x: torch.Tensor, args: An
         run(x).square().mean().backward()
 
     if kind == "standard":
-        opt = h.adamw(params)
-
-        def step() -> None:
-            backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        return h.Variant([step], params, opt)
+        return h.standard(backward, params, h.adamw(params))
     opt = h.in_backward(model, args.bucket_cap_mb, fused=True)
     return h.Variant([backward], params, opt, f"standard_{mode}")
 

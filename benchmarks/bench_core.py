@@ -41,14 +41,8 @@ def variant(name: str, model: nn.Module, x: torch.Tensor, args: Any) -> h.Varian
 
     opt: Any = None
     if name.startswith("standard"):
-        opt = h.adamw(model.parameters(), fused=name == "standard_fused" or None)
-
-        def step() -> None:
-            backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        return h.Variant([step], list(model.parameters()), opt)
+        return h.standard(backward, list(model.parameters()),
+                          h.adamw(model.parameters(), fused=name == "standard_fused" or None))
     if name.startswith("inbackward"):
         opt = h.in_backward(model, args.bucket_cap_mb, per_parameter=name.endswith("per_param"))
     else:

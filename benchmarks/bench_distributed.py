@@ -46,14 +46,7 @@ def variant(name: str, base: nn.Module, x: torch.Tensor, mesh: Any, args: Any) -
         model(x).square().mean().backward()
 
     if loop == "std":
-        opt = h.adamw(params)
-
-        def step() -> None:
-            backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        return h.Variant([step], params, opt)
+        return h.standard(backward, params, h.adamw(params))
     if loop == "inb":
         cap = args.bucket_cap_mb if wrapper == "fsdp2" else None  # under DDP the buckets are DDP's
         return h.Variant([backward], params, h.in_backward(model, cap, fused=True), f"{wrapper}_std")

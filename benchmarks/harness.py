@@ -38,7 +38,7 @@ import dist_optim
 
 __all__ = ["adamw", "agreement", "allocator_peak", "bucket_bytes", "device_of", "few_large", "fully_shard_blocks",
            "in_backward", "local", "many_small", "measure", "mib", "models", "nbytes", "parse", "parser", "print_table",
-           "quartiles", "ratio", "Run", "spawn", "time_interleaved", "unit_peak", "Variant"]
+           "quartiles", "ratio", "Run", "spawn", "standard", "time_interleaved", "unit_peak", "Variant"]
 
 LR, WEIGHT_DECAY, MiB = 1e-3, 0.01, 2**20
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -318,6 +318,17 @@ class Variant:
     def unit(self) -> None:
         for step in self.steps:
             step()
+
+
+def standard(backward: Fn, params: list[torch.Tensor], opt: torch.optim.Optimizer) -> Variant:
+    """The standard loop as a variant: ``backward(); opt.step(); opt.zero_grad()``, a reference."""
+
+    def step() -> None:
+        backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Variant([step], params, opt)
 
 
 def agreement(pa: list[torch.Tensor], oa: Any, pb: list[torch.Tensor], ob: Any) -> dict[str, Any]:
