@@ -25,6 +25,7 @@ from torch.utils.hooks import RemovableHandle
 from dist_optim._ddp import DDPCommHook, check_ddp, ddp_managed
 from dist_optim._engine import Engine, compiled_autograd_message
 from dist_optim._fingerprint import check_same_options
+from dist_optim._frameworks import Watch
 from dist_optim._grad_policy import GradPolicy, StepStats
 from dist_optim._inputs import (
     as_list,
@@ -219,8 +220,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             frozenset(ddp_managed(ddp)) if ddp is not None else frozenset(),
         )
         defaults = self._recipe.defaults(_first_tensor(groups))
+        self._framework_watch = Watch()  # a framework that clips or accumulates after backward: refused
         try:
             super().__init__(groups, defaults)
+            self._framework_watch.at_construction(self)
             if ddp is not None or any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
                 check_same_options(self, ddp.process_group if ddp is not None else None, accumulation_steps)
             if reductions is not None:
@@ -504,6 +507,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         if self._finishing:
             self._run_post_hooks()
             return None
+        self._framework_watch.at_step(self)
         self._check_steps_since_step()
         loss = None
         if closure is not None:
@@ -612,7 +616,10 @@ class _EngineOwner:
         self.opt = opt
 
     def backward_steps(self) -> bool:
-        return self.opt._backward_steps()
+        steps = self.opt._backward_steps()
+        if steps:
+            self.opt._framework_watch.at_backward(self.opt)
+        return steps
 
     def grad_policy(self) -> GradPolicy:
         return self.opt._policy

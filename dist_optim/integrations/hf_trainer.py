@@ -13,12 +13,14 @@ from torch import nn
 from transformers import Trainer
 
 from dist_optim._factory import in_backward
+from dist_optim._frameworks import register_adapter
 from dist_optim.integrations._common import clipping_options, unwrap
 from dist_optim.optimizer import InBackwardOptimizer
 
 __all__ = ["InBackwardTrainer"]
 
 
+@register_adapter
 class InBackwardTrainer(Trainer):
     """A ``Trainer`` that steps its optimizer inside backward; arguments as ``Trainer``, plus one.
 

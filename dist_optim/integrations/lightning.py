@@ -13,12 +13,14 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from dist_optim._frameworks import register_adapter
 from dist_optim.integrations._common import accumulating, clipping_options, unwrap
 from dist_optim.optimizer import InBackwardOptimizer
 
 __all__ = ["InBackwardCallback"]
 
 
+@register_adapter
 class InBackwardCallback(Callback):
     """Add to ``Trainer(callbacks=[...])`` when ``configure_optimizers`` returns an ``InBackwardOptimizer``.
 

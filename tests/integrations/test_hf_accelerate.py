@@ -1,5 +1,6 @@
 """InBackwardAccelerator against accelerate's standard loop with fused AdamW: accumulation (with a short last
-window), clipping by norm and by value, the returned norms, save_state/load_state; and the naive swap."""
+window), clipping by norm and by value, the returned norms, save_state/load_state; the naive swap's clipping,
+which cannot be seen (its accumulation: test_naive_swap.py)."""
 
 from __future__ import annotations
 
@@ -35,13 +36,15 @@ def loader(n: int = 7) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=6, shuffle=False)
 
 
-def run(accelerator_cls, in_backward: bool, accum: int = 1, clip: str | None = None, epochs: int = 1):
-    """One accelerate loop as its docs write it; returns the model, the optimizer and the norms it got."""
+def run(accelerator_cls, in_backward: bool, accum: int = 1, clip: str | None = None, epochs: int = 1, model=None,
+        **engine):
+    """One accelerate loop as its docs write it; returns the model, the optimizer and the norms it got.
+    ``engine``: further engine options of the in-backward optimizer."""
     accelerator = accelerator_cls(cpu=True, gradient_accumulation_steps=accum)
-    model = make_model()
+    model = make_model() if model is None else model
     if in_backward:
         options = {"norm": dict(max_grad_norm=1.0), "value": dict(max_grad_value=0.05), None: {}}[clip]
-        opt = InBackwardOptimizer(model, torch.optim.AdamW, **options, **ADAMW)
+        opt = InBackwardOptimizer(model, torch.optim.AdamW, **options, **engine, **ADAMW)
     else:
         opt = torch.optim.AdamW(model.named_parameters(), **ADAMW)
     model, opt, dl = accelerator.prepare(model, opt, loader())
@@ -117,12 +120,6 @@ def test_clipping_not_set_on_the_optimizer_is_refused():
         accelerator.clip_grad_norm_(model.parameters(), math.inf)
     with pytest.raises(ValueError, match="exactly the optimizer's parameters"):
         accelerator.clip_grad_norm_(list(model.parameters())[:2], 1.0)
-
-
-def test_naive_swap_accumulation_is_named():
-    """Plain Accelerator.accumulate() with an InBackwardOptimizer steps on every backward: said at step()."""
-    with pytest.warns(UserWarning, match=r"backwards each ran a full optimizer step since the last step\(\) call.*accumulation_steps="):
-        run(Accelerator, True, accum=4)
 
 
 def test_naive_swap_clipping_clips_nothing_and_value_clipping_fails():

@@ -1,6 +1,6 @@
 """InBackwardTrainer against HF Trainer with the same fused AdamW on a tiny Llama built from a config (no hub):
 defaults (max_grad_norm=1.0), accumulation 4 with a short last window, no clipping, checkpoint and resume; the
-logged grad_norm; and the naive swap of the optimizer class alone."""
+logged grad_norm. The optimizer class alone in a plain Trainer: test_naive_swap.py."""
 
 from __future__ import annotations
 
@@ -113,25 +113,3 @@ def test_an_optimizer_that_cannot_step_in_backward_is_refused(tmp_path):
                                 optimizer_cls_and_kwargs=(functools.partial(torch.optim.AdamW), {}))
     with pytest.raises(NotImplementedError, match=r"optimizer_cls_and_kwargs gives functools.partial.*cls\(params"):
         trainer.create_optimizer()
-
-
-def test_naive_swap_with_accumulation_is_named_or_refused(tmp_path):
-    """The class alone with the Trainer's gradient_accumulation_steps steps on every backward: a warning at the
-    Trainer's step(), an error with strict=True."""
-    with pytest.warns(UserWarning, match=r"backwards each ran a full optimizer step since the last step\(\) call.*accumulation_steps="):
-        train(Trainer, tmp_path, optimizer_cls_and_kwargs=(dist_optim.in_backward(torch.optim.AdamW), FUSED_ADAMW),
-              gradient_accumulation_steps=4, max_grad_norm=0.0)
-    strict = dist_optim.in_backward(torch.optim.AdamW, strict=True)
-    with pytest.raises(RuntimeError, match="backwards each ran a full optimizer step.*strict=True"):
-        train(Trainer, tmp_path, optimizer_cls_and_kwargs=(strict, FUSED_ADAMW), gradient_accumulation_steps=4,
-              max_grad_norm=0.0)
-
-
-def test_naive_swap_without_accumulation_or_clipping_is_exact(tmp_path):
-    """The class alone in a plain Trainer is exact when nothing happens outside the optimizer: no accumulation, no
-    clipping (the Trainer's default max_grad_norm=1.0 is silently not applied: use InBackwardTrainer)."""
-    ref = train(Trainer, tmp_path, max_grad_norm=0.0)
-    cls = dist_optim.in_backward(torch.optim.AdamW, track_grad_norm=True)
-    trainer, _ = train(Trainer, tmp_path, optimizer_cls_and_kwargs=(cls, FUSED_ADAMW), max_grad_norm=0.0)
-    for p, q in zip(trainer.model.parameters(), ref[0].model.parameters()):
-        assert torch.equal(p, q)

@@ -1,6 +1,6 @@
 """InBackwardCallback against Lightning's standard automatic optimization with fused AdamW: defaults,
 accumulate_grad_batches=4 with a short last window, gradient_clip_val by norm and by value, checkpoint and
-resume; the logged grad norm; and the naive swap."""
+resume; the logged grad norm; the naive swap with nothing outside the optimizer (the rest: test_naive_swap.py)."""
 
 from __future__ import annotations
 
@@ -23,10 +23,13 @@ ADAMW = dict(lr=5e-2, weight_decay=0.1, fused=True)
 
 
 class Module(pl.LightningModule):
-    def __init__(self, in_backward: bool, seed: int = 0) -> None:
+    """``engine``: further engine options of the in-backward optimizer."""
+
+    def __init__(self, in_backward: bool, seed: int = 0, **engine) -> None:
         super().__init__()
         self.net = make_model(seed)
         self.in_backward = in_backward
+        self.engine = engine
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -34,7 +37,8 @@ class Module(pl.LightningModule):
 
     def configure_optimizers(self):
         if self.in_backward:
-            return InBackwardOptimizer(self.named_parameters(), torch.optim.AdamW, track_grad_norm=True, **ADAMW)
+            return InBackwardOptimizer(self.named_parameters(), torch.optim.AdamW, track_grad_norm=True, **self.engine,
+                                       **ADAMW)
         return torch.optim.AdamW(self.named_parameters(), **ADAMW)
 
 
@@ -45,8 +49,8 @@ def loader(n: int = 7) -> DataLoader:
 
 
 def fit(tmp_path, in_backward: bool, callback: bool = True, epochs: int = 1, ckpt_path=None, seed: int = 0,
-        checkpoint=None, **options):
-    module = Module(in_backward, seed)
+        checkpoint=None, module=None, **options):
+    module = Module(in_backward, seed) if module is None else module
     callbacks = ([InBackwardCallback()] if callback else []) + ([checkpoint] if checkpoint else [])
     trainer = pl.Trainer(
         max_epochs=epochs, accelerator="cpu", devices=1, logger=CSVLogger(str(tmp_path)), log_every_n_steps=1,
@@ -100,19 +104,6 @@ def test_checkpoint_and_resume(tmp_path):
     assert_same_params(module.net, ref[0].net)
     assert_same_state(trainer.optimizers[0].state_dict(), ref[1].optimizers[0].state_dict())
     assert trainer.global_step == 8 and logged_norms(trainer) == logged_norms(ref[1])[4:]  # the second epoch
-
-
-def test_naive_swap_with_accumulation_is_named(tmp_path):
-    """Trainer(accumulate_grad_batches=4) without InBackwardCallback steps on every backward: said at step()."""
-    with pytest.warns(UserWarning, match=r"backwards each ran a full optimizer step since the last step\(\) call.*accumulation_steps="):
-        fit(tmp_path, True, callback=False, accumulate_grad_batches=4)
-
-
-def test_naive_swap_value_clipping_fails_in_torch(tmp_path):
-    """Known: Lightning's clip_grad_value_ after an in-backward step gets no gradients and torch's foreach clamp
-    raises its own error; the callback is the way out (docs/frameworks.md)."""
-    with pytest.raises(RuntimeError):
-        fit(tmp_path, True, callback=False, gradient_clip_val=0.05, gradient_clip_algorithm="value")
 
 
 def test_an_optimizer_that_does_not_measure_the_norm_gets_a_warning(tmp_path):
