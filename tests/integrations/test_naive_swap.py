@@ -6,6 +6,7 @@ set on the optimizer, its accumulation mirrored) the run equals the framework's 
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -73,6 +74,33 @@ def test_hf_trainer_refuses_before_anything_steps(tmp_path, case, built):
     with pytest.raises(ValueError, match=message + FIX + r"hf_trainer\.InBackwardTrainer"):
         trainer.train()
     assert_untouched(model, before)
+
+
+class BackwardOnAnotherThread(Trainer):
+    """Runs each backward on a thread of its own, as autograd runs a CUDA backward's hooks on its device threads:
+    the Trainer is not on that thread's stack."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = model(**inputs).loss
+        thread = threading.Thread(target=loss.backward)
+        thread.start()
+        thread.join()
+        return loss.detach()
+
+
+def test_hf_trainer_unseen_in_backward_is_refused_at_the_first_step(tmp_path):
+    """Where the hooks cannot see the Trainer, its first optimizer.step() can: refused there, saying that one
+    in-backward step has run."""
+    model = hf.tiny_llama()
+    before = snapshot(model)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, num_train_epochs=1,
+                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
+    opt = dist_optim.InBackwardOptimizer(model, torch.optim.AdamW, **hf.FUSED_ADAMW)
+    trainer = BackwardOnAnotherThread(model=model, args=args, train_dataset=hf.dataset(), optimizers=(opt, None))
+    with pytest.raises(ValueError, match=r"standard run \(seen at the first step\(\) call, after the in-backward step"
+                                         r".*TrainingArguments\(max_grad_norm=1\.0\) clips"):
+        trainer.train()
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before))  # the one step that ran
 
 
 @pytest.mark.parametrize(
