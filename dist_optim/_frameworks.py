@@ -49,10 +49,10 @@ class Watch:
     def at_construction(self, opt: Any) -> None:
         self._check(opt, "construction")
 
+    # Marked seen only once passed: a refused run retried with the same optimizer is refused again.
     def at_backward(self, opt: Any) -> None:
         if self.backward_seen:
             return
-        self.backward_seen = True
         try:
             self._check(opt, "backward")
         except ValueError:
@@ -61,12 +61,12 @@ class Watch:
                 for p in group["params"]:
                     p.grad = None
             raise
+        self.backward_seen = True
 
     def at_step(self, opt: Any) -> None:
-        if self.step_seen:
-            return
-        self.step_seen = True
-        self._check(opt, "step")
+        if not self.step_seen:
+            self._check(opt, "step")
+            self.step_seen = True
 
     def _check(self, opt: Any, point: str) -> None:
         predicates = _loaded()
