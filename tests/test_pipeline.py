@@ -1,0 +1,153 @@
+"""Pipeline parallelism (``torch.distributed.pipelining``): each stage's :class:`InBackwardOptimizer`, built by
+``dist_optim.pipeline_optimizers(schedule, ...)``, steps once per ``schedule.step()`` during the stage's last
+micro-batch backward and ends bitwise where the same schedule followed by ``opt.step(); opt.zero_grad()`` ends.
+
+Every scenario builds the same model twice on each of 2 gloo ranks, splits it into the same stages, trains one copy
+with a standard optimizer per stage and the other in backward (same kernel), and compares parameters and optimizer
+state with ``torch.equal``. Four micro-batches: the schedule's ``1 / 4`` scaling is exact, so bitwise holds.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import dist_optim
+from helpers import ADAMW, SGD_MOMENTUM, STEPS
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
+
+if dist.is_available():
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
+
+PP_WIDTH = 8
+N_LAYERS = 4  # stages of one or two layers: 2 per rank (GPipe, 1F1B) or 1 per stage, 2 stages per rank (interleaved)
+MICRO_BATCHES = 4
+BATCH = 8
+MAX_NORM = 0.05  # small enough that every tensor is clipped
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+OPTIMIZERS = {"AdamW-fused": (torch.optim.AdamW, ADAMW), "SGD-momentum-foreach": (torch.optim.SGD, SGD_MOMENTUM)}
+
+
+def _layers(seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return [nn.Sequential(nn.Linear(PP_WIDTH, PP_WIDTH), nn.Tanh()) for _ in range(N_LAYERS)]
+
+
+def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+def _data(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)  # the same batches on every rank: the first stage reads x, the last y
+    return [(torch.randn(BATCH, PP_WIDTH, generator=g), torch.randn(BATCH, PP_WIDTH, generator=g)) for _ in range(steps)]
+
+
+def build(ctx, schedule: str, n: int = MICRO_BATCHES, scale_grads: bool = True):
+    """This rank's stage modules (fresh copies of the same layers) and the schedule over them."""
+    layers = _layers()
+    if schedule == "interleaved-1f1b" or schedule == "zero-bubble":
+        n_stages = 2 * ctx.world  # stage s on rank s % world: 2 stages per rank
+        mine = [s for s in range(n_stages) if s % ctx.world == ctx.rank]
+        per = N_LAYERS // n_stages
+    else:
+        n_stages, mine, per = ctx.world, [ctx.rank], N_LAYERS // ctx.world
+    modules = [nn.Sequential(*copy.deepcopy(layers[s * per:(s + 1) * per])) for s in mine]
+    stages = [PipelineStage(m, s, n_stages, torch.device("cpu")) for m, s in zip(modules, mine)]
+    if schedule in ("interleaved-1f1b", "zero-bubble"):
+        cls = ScheduleInterleaved1F1B if schedule == "interleaved-1f1b" else ScheduleInterleavedZeroBubble
+        sched = cls(stages, n_microbatches=n, loss_fn=_loss, scale_grads=scale_grads)
+    else:
+        cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+        sched = cls(stages[0], n_microbatches=n, loss_fn=_loss, scale_grads=scale_grads)
+    first = 0 in mine
+    last = n_stages - 1 in mine
+    return modules, sched, first, last
+
+
+def run_step(sched, first: bool, last: bool, batch) -> None:
+    x, y = batch
+    args = (x,) if first else ()
+    kwargs = {"target": y} if last else {}
+    sched.step(*args, **kwargs)
+
+
+def _clip(modules, clip: str) -> None:
+    for m in modules:
+        for p in m.parameters():
+            if clip == "per_parameter":
+                nn.utils.clip_grad_norm_([p], MAX_NORM)
+            elif clip == "value":
+                nn.utils.clip_grad_value_([p], MAX_NORM)
+
+
+def _clip_options(clip: str) -> dict:
+    if clip == "per_parameter":
+        return {"max_grad_norm": MAX_NORM, "clip_mode": "per_parameter"}
+    if clip == "value":
+        return {"max_grad_value": MAX_NORM}
+    return {}
+
+
+def train_standard(ctx, schedule, opt_name, clip, steps=STEPS, n=MICRO_BATCHES, scale_grads=True):
+    cls, kw = OPTIMIZERS[opt_name]
+    modules, sched, first, last = build(ctx, schedule, n, scale_grads)
+    opts = [cls(m.parameters(), **kw) for m in modules]
+    for batch in _data(steps):
+        run_step(sched, first, last, batch)
+        _clip(modules, clip)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return modules, opts
+
+
+def train_in_backward(ctx, schedule, opt_name, clip, steps=STEPS, n=MICRO_BATCHES, scale_grads=True, **engine):
+    cls, kw = OPTIMIZERS[opt_name]
+    modules, sched, first, last = build(ctx, schedule, n, scale_grads)
+    opts = dist_optim.pipeline_optimizers(sched, cls, **kw, **_clip_options(clip), **engine)
+    for batch in _data(steps):
+        run_step(sched, first, last, batch)
+        for m in modules:
+            assert all(p.grad is None for p in m.parameters()), "a gradient outlived its stage's last backward"
+        for opt in opts:
+            opt.step()  # an existing loop's calls: nothing left to do
+            opt.zero_grad()
+    return modules, opts
+
+
+def assert_same(a_modules, a_opts, b_modules, b_opts, exact: bool = True) -> None:
+    compare = torch.equal if exact else (lambda x, y: torch.allclose(x, y, rtol=1e-5, atol=1e-7))
+    for ma, mb in zip(a_modules, b_modules, strict=True):
+        for (name, p), q in zip(ma.named_parameters(), mb.parameters(), strict=True):
+            assert compare(p, q), f"{name}: max diff {(p - q).abs().max().item():.3g}"
+    for oa, ob in zip(a_opts, b_opts, strict=True):
+        sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
+        assert sorted(sa) == sorted(sb)
+        for k in sa:
+            for key, v in sa[k].items():
+                assert compare(v, sb[k][key]), f"state {k}/{key} differs"
+
+
+# -- scenarios ----------------------------------------------------------------------------------------------------
+def _parity(ctx, schedule, opt_name, clip):
+    want = train_standard(ctx, schedule, opt_name, clip)
+    got = train_in_backward(ctx, schedule, opt_name, clip, bucket_cap_mb=1e-4)  # several buckets per stage
+    assert_same(*got, *want)
+
+
+@pytest.mark.parametrize("clip", ["none", "per_parameter", "value"])
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_schedule_equals_standard_loop(ranks, schedule, opt_name, clip):
+    ranks.run(2, _parity, schedule=schedule, opt_name=opt_name, clip=clip)
