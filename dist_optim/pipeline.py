@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dist_optim._inputs import is_dtensor
 from dist_optim.optimizer import InBackwardOptimizer
 
 __all__ = ["pipeline_optimizers"]
@@ -49,7 +50,8 @@ def pipeline_optimizers(
 
     Raises:
         NotImplementedError: a zero-bubble schedule or a stage with a ``dw_builder`` (the weights' gradients are
-            computed outside the hooks the step fires on); a DDP-wrapped stage; ``clip_mode="exact"`` or
+            computed outside the hooks the step fires on); a DDP-wrapped or FSDP2-sharded stage (the schedule
+            reduces its gradients after the last backward, outside it); ``clip_mode="exact"`` or
             ``"previous_norm"`` with ``max_grad_norm`` (both need the norm of every stage).
         ValueError: ``accumulation_steps`` is given; ``schedule`` is not a pipelining schedule.
 
@@ -77,6 +79,14 @@ def pipeline_optimizers(
                 "only in the last micro-batch through DDP internals this optimizer does not hook; shard the stage "
                 "with fully_shard (FSDP2) instead, or use a standard optimizer"
             )
+        if any(is_dtensor(p) for p in module.parameters()):
+            raise NotImplementedError(
+                f"stage {stage.stage_index} holds DTensor parameters (fully_shard/FSDP2 or tensor parallel): the "
+                "schedule turns FSDP2's gradient sync off in every micro-batch backward and reduce-scatters only "
+                "after the last one, outside any backward (PipelineStage.perform_reduce_grad), where no in-backward "
+                "step can run; the stage's gradients would never be stepped in backward. Use plain stages, or a "
+                "standard optimizer stepped after schedule.step()"
+            )
         # A stage's parameters live on its rank alone: stepping them on the local gradient is the standard loop.
         options = {"allow_local_steps": True, **kwargs}
         opt = InBackwardOptimizer(module, optimizer_class, accumulation_steps=n, **options)
@@ -88,8 +98,9 @@ def pipeline_optimizers(
 
 
 class _Guard:
-    """Step pre hook: refuses a step whose schedule settings changed since the optimizer was built, or that does
-    not run in the stage's last micro-batch backward (a schedule step that raised leaves the count behind)."""
+    """Step pre hook: refuses a step whose schedule settings changed since the optimizer was built, or that runs
+    while forwards of the stage still wait for their backward (so not in its last micro-batch backward: a
+    ``schedule.step()`` that raised left backwards counted)."""
 
     def __init__(self, schedule: Any, stage: Any, n: int, scale: bool) -> None:
         self.schedule, self.stage, self.n, self.scale = schedule, stage, n, scale
@@ -113,10 +124,9 @@ class _Guard:
             )
         if self.stage.fwd_cache:
             raise RuntimeError(
-                f"stage {self.stage.stage_index} steps in a backward that is not its last micro-batch's "
-                f"({len(self.stage.fwd_cache)} forwards wait for their backward): a schedule.step() raised before "
-                "its end and left the optimizer's micro-batch count behind. Call opt.step() and opt.zero_grad() "
-                "after a failed schedule.step(), or reload the last checkpoint"
+                f"stage {self.stage.stage_index} would step while {len(self.stage.fwd_cache)} of its forwards wait "
+                "for their backward, so not in its last micro-batch backward: a schedule.step() raised before its "
+                "end and left backwards counted. Nothing was stepped in this backward; reload the last checkpoint"
             )
 
 
@@ -152,10 +162,16 @@ def _check_full_backward(schedule: Any, stages: list[Any]) -> None:
 
 def _check_clipping(kwargs: dict[str, Any]) -> None:
     mode = kwargs.get("clip_mode", "exact")
-    if kwargs.get("max_grad_norm") is not None and mode in ("exact", "previous_norm"):
-        raise NotImplementedError(
-            f"clip_mode={mode!r} with max_grad_norm under pipelining: the norm covers every stage, and the last "
-            "stage runs its last backward (where it steps) before the first stage's has even started, so the "
-            "total norm is not known on any stage when it steps (waiting for it there would deadlock the "
-            "schedule). Use clip_mode='per_parameter', or a standard optimizer with clipping after schedule.step()"
-        )
+    if kwargs.get("max_grad_norm") is None or mode not in ("exact", "previous_norm"):
+        return
+    why = (
+        "the last stage runs its last backward (where it steps) before the first stage's has started, so the "
+        "total norm is known on no stage when it steps, and waiting for it there would deadlock the schedule"
+        if mode == "exact" else
+        "each stage's optimizer measures the norm of its own stage only, so it would clip with a stage's norm "
+        "instead of the model's"
+    )
+    raise NotImplementedError(
+        f"clip_mode={mode!r} with max_grad_norm under pipelining: the norm covers every stage, and {why}. Use "
+        "clip_mode='per_parameter', or a standard optimizer with clipping after schedule.step()"
+    )

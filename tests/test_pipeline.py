@@ -33,7 +33,7 @@ if dist.is_available():
 PP_WIDTH = 8
 N_LAYERS = 4  # stages of one or two layers: 2 per rank (GPipe, 1F1B) or 1 per stage, 2 stages per rank (interleaved)
 MICRO_BATCHES = 4
-BATCH = 8
+ROWS = 2  # per micro-batch: the schedule splits a batch into equal micro-batches
 MAX_NORM = 0.05  # small enough that every tensor is clipped
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
 OPTIMIZERS = {"AdamW-fused": (torch.optim.AdamW, ADAMW), "SGD-momentum-foreach": (torch.optim.SGD, SGD_MOMENTUM)}
@@ -48,9 +48,10 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(output, target)
 
 
-def _data(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _data(steps: int, n: int = MICRO_BATCHES, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)  # the same batches on every rank: the first stage reads x, the last y
-    return [(torch.randn(BATCH, PP_WIDTH, generator=g), torch.randn(BATCH, PP_WIDTH, generator=g)) for _ in range(steps)]
+    rows = n * ROWS
+    return [(torch.randn(rows, PP_WIDTH, generator=g), torch.randn(rows, PP_WIDTH, generator=g)) for _ in range(steps)]
 
 
 def build(ctx, schedule: str, n: int = MICRO_BATCHES, scale_grads: bool = True):
@@ -103,7 +104,7 @@ def train_standard(ctx, schedule, opt_name, clip, steps=STEPS, n=MICRO_BATCHES, 
     cls, kw = OPTIMIZERS[opt_name]
     modules, sched, first, last = build(ctx, schedule, n, scale_grads)
     opts = [cls(m.parameters(), **kw) for m in modules]
-    for batch in _data(steps):
+    for batch in _data(steps, n):
         run_step(sched, first, last, batch)
         _clip(modules, clip)
         for opt in opts:
@@ -116,7 +117,7 @@ def train_in_backward(ctx, schedule, opt_name, clip, steps=STEPS, n=MICRO_BATCHE
     cls, kw = OPTIMIZERS[opt_name]
     modules, sched, first, last = build(ctx, schedule, n, scale_grads)
     opts = dist_optim.pipeline_optimizers(sched, cls, **kw, **_clip_options(clip), **engine)
-    for batch in _data(steps):
+    for batch in _data(steps, n):
         run_step(sched, first, last, batch)
         for m in modules:
             assert all(p.grad is None for p in m.parameters()), "a gradient outlived its stage's last backward"
@@ -151,3 +152,98 @@ def _parity(ctx, schedule, opt_name, clip):
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_schedule_equals_standard_loop(ranks, schedule, opt_name, clip):
     ranks.run(2, _parity, schedule=schedule, opt_name=opt_name, clip=clip)
+
+
+def _uneven_micro_batches(ctx, schedule):
+    # 3 micro-batches: x * (1/3) is not always x / 3, so the last bit of a gradient may differ (one rounding)
+    want = train_standard(ctx, schedule, "SGD-momentum-foreach", "none", n=3)
+    got = train_in_backward(ctx, schedule, "SGD-momentum-foreach", "none", n=3)
+    assert_same(*got, *want, exact=False)
+    assert got[1][0].grad_multiplier == pytest.approx(1 / 3)
+
+
+def test_three_micro_batches_within_one_rounding(ranks):
+    ranks.run(2, _uneven_micro_batches, schedule="1f1b")
+
+
+def _sum_losses(ctx):
+    # scale_grads=False: the schedule divides nothing and neither does the optimizer
+    want = train_standard(ctx, "gpipe", "AdamW-fused", "none", scale_grads=False)
+    got = train_in_backward(ctx, "gpipe", "AdamW-fused", "none", scale_grads=False)
+    assert_same(*got, *want)
+    assert got[1][0].grad_multiplier is None
+
+
+def test_scale_grads_false_equals_standard_loop(ranks):
+    ranks.run(2, _sum_losses)
+
+
+def _steps_once_in_last_backward(ctx, schedule):
+    modules, sched, first, last = build(ctx, schedule)
+    opts = dist_optim.pipeline_optimizers(sched, torch.optim.SGD, **SGD_MOMENTUM)
+    seen = []  # per bucket stepped: the stage's forwards still waiting for their backward (0: its last backward)
+    for opt, stage in zip(opts, sched._stages if hasattr(sched, "_stages") else [sched._stage]):
+        opt.register_bucket_step_hook(lambda o, params, stage=stage: seen.append(len(stage.fwd_cache)))
+    for k, batch in enumerate(_data(2)):
+        run_step(sched, first, last, batch)
+        assert [o.micro_batches for o in opts] == [0] * len(opts)
+        assert all(float(s["momentum_buffer"].abs().sum()) > 0 for o in opts for s in o.state.values())
+    assert seen and set(seen) == {0}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_steps_in_each_stages_last_backward(ranks, schedule):
+    ranks.run(2, _steps_once_in_last_backward, schedule=schedule)
+
+
+def _zero_bubble(ctx):
+    modules, sched, first, last = build(ctx, "zero-bubble")
+    with pytest.raises(NotImplementedError, match="zero-bubble.*autograd.grad.*never run"):
+        dist_optim.pipeline_optimizers(sched, torch.optim.SGD, lr=0.1)
+    # the reason: with a standard optimizer, the weights of stages past the first get their gradients without any
+    # post-accumulate-grad hook running
+    calls = {}
+    for m, stage in zip(modules, sched._stages):
+        for p in m.parameters():
+            p.register_post_accumulate_grad_hook(lambda p, s=stage.stage_index: calls.__setitem__(s, calls.get(s, 0) + 1))
+    run_step(sched, first, last, _data(1)[0])
+    assert all(p.grad is not None for m in modules for p in m.parameters())
+    return calls
+
+
+def test_zero_bubble_refused_because_its_weight_gradients_run_no_hook(ranks):
+    calls = ranks.run(2, _zero_bubble)
+    stages_with_hooks = {s for c in calls for s in c}
+    assert 1 not in stages_with_hooks and 2 not in stages_with_hooks and 3 not in stages_with_hooks, calls
+
+
+def _guard_multiplier(ctx):
+    modules, sched, first, last = build(ctx, "gpipe")
+    (opt,) = dist_optim.pipeline_optimizers(sched, torch.optim.SGD, lr=0.1)
+    opt.set_grad_multiplier(0.5)
+    before = [p.detach().clone() for p in modules[0].parameters()]
+    with pytest.raises(RuntimeError) as info:  # the schedule wraps the backward's error in its own
+        run_step(sched, first, last, _data(1)[0])
+    assert "grad_multiplier is 0.5 but the schedule (scale_grads=True, 4 micro-batches) needs 0.25" in str(
+        info.value.__cause__)
+    assert all(torch.equal(p, q) for p, q in zip(modules[0].parameters(), before))
+
+
+def test_guard_refuses_a_replaced_multiplier(ranks):
+    # one rank, one stage: the step refused by a guard raises on the only stage, which no peer waits for
+    ranks.run(1, _guard_multiplier)
+
+
+@pytest.mark.parametrize("options, error, match", [
+    ({"accumulation_steps": 4}, ValueError, "the schedule's micro-batch count sets it"),
+    ({"max_grad_norm": 1.0}, NotImplementedError, "clip_mode='exact'.*deadlock"),
+    ({"max_grad_norm": 1.0, "clip_mode": "previous_norm"}, NotImplementedError, "its own stage only"),
+])
+def test_refused_options(options, error, match):
+    with pytest.raises(error, match=match):
+        dist_optim.pipeline_optimizers(object(), torch.optim.SGD, lr=0.1, **options)
+
+
+def test_refuses_what_is_not_a_schedule():
+    with pytest.raises(ValueError, match="must be a torch.distributed.pipelining schedule.*got Linear"):
+        dist_optim.pipeline_optimizers(nn.Linear(2, 2), torch.optim.SGD, lr=0.1)
