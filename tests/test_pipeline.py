@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import dist_optim
+import dist_optim.checkpoint
 from helpers import ADAMW, SGD_MOMENTUM, STEPS
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
@@ -247,3 +248,63 @@ def test_refused_options(options, error, match):
 def test_refuses_what_is_not_a_schedule():
     with pytest.raises(ValueError, match="must be a torch.distributed.pipelining schedule.*got Linear"):
         dist_optim.pipeline_optimizers(nn.Linear(2, 2), torch.optim.SGD, lr=0.1)
+
+
+# -- checkpoints: each stage saves its own part, over a group of the ranks that hold it ----------------------------
+def _stage_groups(ctx):
+    # one group per rank (a stage lives on one rank); created by every rank in the same order, as new_group needs
+    return ctx.cached("pp-own-groups", lambda: [dist.new_group([r]) for r in range(ctx.world)])[ctx.rank]
+
+
+def _shared_dir(ctx) -> str:
+    import tempfile
+
+    path = [tempfile.mkdtemp(prefix="pp_ckpt_") if ctx.rank == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    return path[0]
+
+
+def _train_steps(sched, first, last, modules, opts, lrs, batches):
+    for batch in batches:
+        run_step(sched, first, last, batch)
+        for s in lrs:
+            s.step()
+
+
+def _resume(ctx, schedule, opt_name):
+    cls, kw = OPTIMIZERS[opt_name]
+    group, folder = _stage_groups(ctx), _shared_dir(ctx)
+    data = _data(4)
+
+    def fresh():
+        modules, sched, first, last = build(ctx, schedule)
+        opts = dist_optim.pipeline_optimizers(sched, cls, **kw)
+        lrs = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=8) for o in opts]
+        return modules, sched, first, last, opts, lrs
+
+    modules, sched, first, last, opts, lrs = fresh()
+    stages = sched._stages if hasattr(sched, "_stages") else [sched._stage]
+    _train_steps(sched, first, last, modules, opts, lrs, data[:2])
+    for m, o, s, stage in zip(modules, opts, lrs, stages):
+        dist_optim.checkpoint.save(f"{folder}/stage{stage.stage_index}", model=m, optimizer=o, schedulers=s,
+                                   step=2, process_group=group)
+    _train_steps(sched, first, last, modules, opts, lrs, data[2:])
+
+    r_modules, r_sched, first, last, r_opts, r_lrs = fresh()  # a new job: new modules, schedule and optimizers
+    for m, o, s, stage in zip(r_modules, r_opts, r_lrs, stages):
+        loaded = dist_optim.checkpoint.load(f"{folder}/stage{stage.stage_index}", model=m, optimizer=o,
+                                            schedulers=s, process_group=group)
+        assert loaded.step == 2
+    _train_steps(r_sched, first, last, r_modules, r_opts, r_lrs, data[2:])
+    assert_same(r_modules, r_opts, modules, opts)
+    assert [s.get_last_lr() for s in r_lrs] == [s.get_last_lr() for s in lrs]
+    dist.barrier()
+    if ctx.rank == 0:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+def test_checkpoint_per_stage_resumes_bitwise(ranks, schedule):
+    ranks.run(2, _resume, schedule=schedule, opt_name="AdamW-fused")
