@@ -308,3 +308,32 @@ def _resume(ctx, schedule, opt_name):
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
 def test_checkpoint_per_stage_resumes_bitwise(ranks, schedule):
     ranks.run(2, _resume, schedule=schedule, opt_name="AdamW-fused")
+
+
+# -- pipeline x FSDP2: refused, and why ----------------------------------------------------------------------------
+def _pp_fsdp2(ctx):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = ctx.cached("pp-dp-mesh", lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")))
+    pp_rank, dp_mesh = mesh["pp"].get_local_rank(), mesh["dp"]
+    layers = _layers()
+    module = nn.Sequential(*copy.deepcopy(layers[2 * pp_rank:2 * pp_rank + 2]))
+    for layer in module:
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(module, mesh=dp_mesh)
+    stage = PipelineStage(module, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    sched = Schedule1F1B(stage, n_microbatches=MICRO_BATCHES, loss_fn=_loss)
+    with pytest.raises(NotImplementedError, match="DTensor parameters .* outside any backward"):
+        dist_optim.pipeline_optimizers(sched, torch.optim.AdamW, **ADAMW)
+    # the reason: the sharded gradients' hooks run after the schedule's last backward, from perform_reduce_grad
+    tasks = []
+    for p in module.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: tasks.append(torch._C._current_graph_task_id()))
+    run_step(sched, pp_rank == 0, pp_rank == 1, _data(1)[0])
+    return tasks
+
+
+def test_pipeline_x_fsdp2_refused_because_its_hooks_run_outside_backward(ranks):
+    tasks = ranks.run(4, _pp_fsdp2)
+    assert all(t and set(t) == {-1} for t in tasks), tasks
