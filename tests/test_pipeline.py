@@ -28,7 +28,10 @@ if dist.is_available():
         Schedule1F1B,
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
+        ScheduleDualPipeV,
         ScheduleInterleavedZeroBubble,
+        ScheduleLoopedBFS,
+        ScheduleZBVZeroBubble,
     )
 
 PP_WIDTH = 8
@@ -36,7 +39,8 @@ N_LAYERS = 4  # stages of one or two layers: 2 per rank (GPipe, 1F1B) or 1 per s
 MICRO_BATCHES = 4
 ROWS = 2  # per micro-batch: the schedule splits a batch into equal micro-batches
 MAX_NORM = 0.05  # small enough that every tensor is clipped
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs"]
+MULTI = {"interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv", "dualpipev"}  # 2 stages per rank
 OPTIMIZERS = {"AdamW-fused": (torch.optim.AdamW, ADAMW), "SGD-momentum-foreach": (torch.optim.SGD, SGD_MOMENTUM)}
 
 
@@ -58,7 +62,11 @@ def _data(steps: int, n: int = MICRO_BATCHES, seed: int = 1) -> list[tuple[torch
 def build(ctx, schedule: str, n: int = MICRO_BATCHES, scale_grads: bool = True):
     """This rank's stage modules (fresh copies of the same layers) and the schedule over them."""
     layers = _layers()
-    if schedule == "interleaved-1f1b" or schedule == "zero-bubble":
+    if schedule in ("zbv", "dualpipev"):
+        n_stages = 2 * ctx.world  # V shape: rank r holds stages r and 2 * world - 1 - r
+        mine = sorted([ctx.rank, n_stages - 1 - ctx.rank])
+        per = N_LAYERS // n_stages
+    elif schedule in MULTI:
         n_stages = 2 * ctx.world  # stage s on rank s % world: 2 stages per rank
         mine = [s for s in range(n_stages) if s % ctx.world == ctx.rank]
         per = N_LAYERS // n_stages
@@ -66,8 +74,10 @@ def build(ctx, schedule: str, n: int = MICRO_BATCHES, scale_grads: bool = True):
         n_stages, mine, per = ctx.world, [ctx.rank], N_LAYERS // ctx.world
     modules = [nn.Sequential(*copy.deepcopy(layers[s * per:(s + 1) * per])) for s in mine]
     stages = [PipelineStage(m, s, n_stages, torch.device("cpu")) for m, s in zip(modules, mine)]
-    if schedule in ("interleaved-1f1b", "zero-bubble"):
-        cls = ScheduleInterleaved1F1B if schedule == "interleaved-1f1b" else ScheduleInterleavedZeroBubble
+    if schedule in MULTI:
+        cls = {"interleaved-1f1b": ScheduleInterleaved1F1B, "looped-bfs": ScheduleLoopedBFS,
+               "zero-bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
+               "dualpipev": ScheduleDualPipeV}[schedule]
         sched = cls(stages, n_microbatches=n, loss_fn=_loss, scale_grads=scale_grads)
     else:
         cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
@@ -150,7 +160,7 @@ def _parity(ctx, schedule, opt_name, clip):
 
 @pytest.mark.parametrize("clip", ["none", "per_parameter", "value"])
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_schedule_equals_standard_loop(ranks, schedule, opt_name, clip):
     ranks.run(2, _parity, schedule=schedule, opt_name=opt_name, clip=clip)
 
@@ -192,7 +202,7 @@ def _steps_once_in_last_backward(ctx, schedule):
     assert seen and set(seen) == {0}
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_steps_in_each_stages_last_backward(ranks, schedule):
     ranks.run(2, _steps_once_in_last_backward, schedule=schedule)
 
@@ -228,6 +238,17 @@ def _guard_multiplier(ctx):
     assert "grad_multiplier is 0.5 but the schedule (scale_grads=True, 4 micro-batches) needs 0.25" in str(
         info.value.__cause__)
     assert all(torch.equal(p, q) for p, q in zip(modules[0].parameters(), before))
+
+
+def _v_schedules_refused(ctx, schedule):
+    modules, sched, first, last = build(ctx, schedule)
+    with pytest.raises(NotImplementedError, match=f"{type(sched).__name__} is not supported: its order has"):
+        dist_optim.pipeline_optimizers(sched, torch.optim.SGD, lr=0.1)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_shaped_zero_bubble_schedules_refused(ranks, schedule):
+    ranks.run(2, _v_schedules_refused, schedule=schedule)
 
 
 def test_guard_refuses_a_replaced_multiplier(ranks):
