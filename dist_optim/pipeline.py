@@ -36,7 +36,8 @@ def pipeline_optimizers(
     them by ``1 / n`` before stepping instead (:attr:`~InBackwardOptimizer.grad_multiplier`). The result is
     ``schedule.step(...)`` followed by ``opt.step(); opt.zero_grad()`` with the same optimizer: bitwise when
     ``n`` is a power of two (``x * (1 / n)`` is ``x / n`` exactly), within one rounding of each gradient
-    element otherwise.
+    element otherwise. To scale the gradients yourself (``set_grad_multiplier``, e.g. by a token count), build
+    the schedule with ``scale_grads=False``: with ``True``, a multiplier other than ``1 / n`` is refused.
 
     Args:
         schedule: a ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` or ``ScheduleLoopedBFS``
@@ -115,12 +116,14 @@ class _Guard:
                 f" but its optimizers were built for {self.n}, {self.scale}: build them again with "
                 "pipeline_optimizers(schedule, ...)"
             )
-        expected = 1.0 / self.n if self.scale and self.n > 1 else None
-        if opt.grad_multiplier != expected:
+        # With scale_grads the schedule's mean is ours to apply, exactly; without it the multiplier is the user's.
+        expected = 1.0 / self.n if self.n > 1 else None
+        if self.scale and opt.grad_multiplier != expected:
             raise RuntimeError(
-                f"grad_multiplier is {opt.grad_multiplier!r} but the schedule (scale_grads={self.scale}, "
-                f"{self.n} micro-batches) needs {expected!r}: set_grad_multiplier replaced the schedule's 1/n; "
-                "pass your factor times 1/n"
+                f"grad_multiplier is {opt.grad_multiplier!r} but the schedule (scale_grads=True, {self.n} "
+                f"micro-batches) needs {expected!r}: set_grad_multiplier replaced the schedule's 1/n. To scale the "
+                "gradients yourself (by a token count), build the schedule with scale_grads=False and "
+                "pipeline_optimizers again, then set_grad_multiplier"
             )
         if self.stage.fwd_cache:
             raise RuntimeError(

@@ -189,6 +189,31 @@ def test_scale_grads_false_equals_standard_loop(ranks):
     ranks.run(2, _sum_losses)
 
 
+def _own_multiplier(ctx):
+    # scale_grads=False leaves the scaling to the user: a multiplier of theirs, as a standard loop scaling .grad
+    modules, sched, first, last = build(ctx, "1f1b", scale_grads=False)
+    opts = [torch.optim.SGD(m.parameters(), **SGD_MOMENTUM) for m in modules]
+    for batch in _data(STEPS):
+        run_step(sched, first, last, batch)
+        for m in modules:
+            for p in m.parameters():
+                p.grad.mul_(0.125)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    r_modules, r_sched, first, last = build(ctx, "1f1b", scale_grads=False)
+    r_opts = dist_optim.pipeline_optimizers(r_sched, torch.optim.SGD, **SGD_MOMENTUM)
+    for o in r_opts:
+        o.set_grad_multiplier(0.125)
+    for batch in _data(STEPS):
+        run_step(r_sched, first, last, batch)
+    assert_same(r_modules, r_opts, modules, opts)
+
+
+def test_own_multiplier_with_scale_grads_false(ranks):
+    ranks.run(2, _own_multiplier)
+
+
 def _steps_once_in_last_backward(ctx, schedule):
     modules, sched, first, last = build(ctx, schedule)
     opts = dist_optim.pipeline_optimizers(sched, torch.optim.SGD, **SGD_MOMENTUM)
@@ -236,7 +261,7 @@ def _guard_multiplier(ctx):
     with pytest.raises(RuntimeError) as info:  # the schedule wraps the backward's error in its own
         run_step(sched, first, last, _data(1)[0])
     assert "grad_multiplier is 0.5 but the schedule (scale_grads=True, 4 micro-batches) needs 0.25" in str(
-        info.value.__cause__)
+        info.value.__cause__), info.value.__cause__
     assert all(torch.equal(p, q) for p, q in zip(modules[0].parameters(), before))
 
 
