@@ -53,10 +53,15 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(output, target)
 
 
-def _data(steps: int, n: int = MICRO_BATCHES, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _device(ctx) -> torch.device:
+    return torch.device("cuda", ctx.rank) if ctx.backend == "nccl" else torch.device("cpu")  # NCCL: a GPU per rank
+
+
+def _data(steps: int, n: int = MICRO_BATCHES, seed: int = 1, device: torch.device | str = "cpu") -> list:
     g = torch.Generator().manual_seed(seed)  # the same batches on every rank: the first stage reads x, the last y
     rows = n * ROWS
-    return [(torch.randn(rows, PP_WIDTH, generator=g), torch.randn(rows, PP_WIDTH, generator=g)) for _ in range(steps)]
+    return [(torch.randn(rows, PP_WIDTH, generator=g).to(device), torch.randn(rows, PP_WIDTH, generator=g).to(device))
+            for _ in range(steps)]
 
 
 def build(ctx, schedule: str, n: int = MICRO_BATCHES, scale_grads: bool = True):
@@ -72,8 +77,9 @@ def build(ctx, schedule: str, n: int = MICRO_BATCHES, scale_grads: bool = True):
         per = N_LAYERS // n_stages
     else:
         n_stages, mine, per = ctx.world, [ctx.rank], N_LAYERS // ctx.world
-    modules = [nn.Sequential(*copy.deepcopy(layers[s * per:(s + 1) * per])) for s in mine]
-    stages = [PipelineStage(m, s, n_stages, torch.device("cpu")) for m, s in zip(modules, mine)]
+    device = _device(ctx)
+    modules = [nn.Sequential(*copy.deepcopy(layers[s * per:(s + 1) * per])).to(device) for s in mine]
+    stages = [PipelineStage(m, s, n_stages, device) for m, s in zip(modules, mine)]
     if schedule in MULTI:
         cls = {"interleaved-1f1b": ScheduleInterleaved1F1B, "looped-bfs": ScheduleLoopedBFS,
                "zero-bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
@@ -115,7 +121,7 @@ def train_standard(ctx, schedule, opt_name, clip, steps=STEPS, n=MICRO_BATCHES, 
     cls, kw = OPTIMIZERS[opt_name]
     modules, sched, first, last = build(ctx, schedule, n, scale_grads)
     opts = [cls(m.parameters(), **kw) for m in modules]
-    for batch in _data(steps, n):
+    for batch in _data(steps, n, device=_device(ctx)):
         run_step(sched, first, last, batch)
         _clip(modules, clip)
         for opt in opts:
@@ -128,7 +134,7 @@ def train_in_backward(ctx, schedule, opt_name, clip, steps=STEPS, n=MICRO_BATCHE
     cls, kw = OPTIMIZERS[opt_name]
     modules, sched, first, last = build(ctx, schedule, n, scale_grads)
     opts = dist_optim.pipeline_optimizers(sched, cls, **kw, **_clip_options(clip), **engine)
-    for batch in _data(steps, n):
+    for batch in _data(steps, n, device=_device(ctx)):
         run_step(sched, first, last, batch)
         for m in modules:
             assert all(p.grad is None for p in m.parameters()), "a gradient outlived its stage's last backward"
