@@ -389,3 +389,35 @@ def _pp_fsdp2(ctx):
 def test_pipeline_x_fsdp2_refused_because_its_hooks_run_outside_backward(ranks):
     tasks = ranks.run(4, _pp_fsdp2)
     assert all(t and set(t) == {-1} for t in tasks), tasks
+
+
+# -- composition: EMA in backward, telemetry ------------------------------------------------------------------------
+def _ema(ctx):
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    cls, kw = OPTIMIZERS["AdamW-fused"]
+    modules, sched, first, last = build(ctx, "1f1b")
+    opts = [cls(m.parameters(), **kw) for m in modules]
+    emas = [AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9)) for m in modules]
+    for batch in _data(STEPS):
+        run_step(sched, first, last, batch)
+        for m, o, e in zip(modules, opts, emas):
+            o.step()
+            o.zero_grad()
+            e.update_parameters(m)
+    r_modules, r_sched, first, last = build(ctx, "1f1b")
+    r_opts = dist_optim.pipeline_optimizers(r_sched, cls, **kw, bucket_cap_mb=1e-4)
+    r_emas = [AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9)) for m in r_modules]
+    for o, e, m in zip(r_opts, r_emas, r_modules):
+        dist_optim.average_in_backward(o, e, m)
+    for batch in _data(STEPS):
+        run_step(r_sched, first, last, batch)
+        n_params = sum(1 for m in r_modules for _ in m.parameters())
+        assert sum(o.last_step.params_stepped for o in r_opts) == n_params  # telemetry: the stage's last backward
+    for e, r in zip(emas, r_emas):
+        assert all(torch.equal(a, b) for a, b in zip(e.state_dict().values(), r.state_dict().values()))
+        assert int(r.n_averaged) == STEPS
+
+
+def test_ema_in_backward_equals_standard_update(ranks):
+    ranks.run(2, _ema)
