@@ -59,7 +59,7 @@ def pipeline_optimizers(
     Example:
         >>> opts = dist_optim.pipeline_optimizers(schedule, torch.optim.AdamW, lr=1e-3)  # doctest: +SKIP
         >>> for x, y in data:  # doctest: +SKIP
-        ...     schedule.step(x, target=y) if is_first else schedule.step(target=y)  # each stage steps inside
+        ...     schedule.step(x) if is_first_stage else schedule.step(target=y)  # each stage steps inside
     """
     if "accumulation_steps" in kwargs:
         raise ValueError(
@@ -76,9 +76,9 @@ def pipeline_optimizers(
         module = stage.submod
         if isinstance(module, nn.parallel.DistributedDataParallel):
             raise NotImplementedError(
-                f"stage {stage.stage_index} is wrapped in DistributedDataParallel, which the schedule reduces "
-                "only in the last micro-batch through DDP internals this optimizer does not hook; shard the stage "
-                "with fully_shard (FSDP2) instead, or use a standard optimizer"
+                f"stage {stage.stage_index} is wrapped in DistributedDataParallel, whose reducer the schedule "
+                "drives by hand in the last micro-batch, around the communication hook this optimizer steps in; "
+                "use plain stages, or a standard optimizer stepped after schedule.step()"
             )
         if any(is_dtensor(p) for p in module.parameters()):
             raise NotImplementedError(
@@ -153,13 +153,15 @@ def _check_full_backward(schedule: Any, stages: list[Any]) -> None:
     })
     custom = [s.stage_index for s in stages if getattr(s, "dw_builder", None) is not None]
     if split or custom:
-        what = (f"its order has {'/'.join(split)} actions (a zero-bubble schedule)" if split
-                else f"stages {custom} have a dw_builder")
+        what = (
+            f"its order has {'/'.join(split)} actions (a zero-bubble schedule), which compute the weights' "
+            "gradients with torch.autograd.grad and assign .grad by hand" if split else
+            f"stages {custom} have a dw_builder, whose function computes the weights' gradients after the backward"
+        )
         raise NotImplementedError(
-            f"{type(schedule).__name__} is not supported: {what}, which compute the weights' gradients with "
-            "torch.autograd.grad and assign .grad by hand, so the post-accumulate-grad hooks that step in backward "
-            "never run and nothing would be stepped. Use ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B "
-            "(full backwards), or a standard optimizer stepped after schedule.step()"
+            f"{type(schedule).__name__} is not supported: {what}, so the post-accumulate-grad hooks that step in "
+            "backward never run and nothing would be stepped. Use ScheduleGPipe, Schedule1F1B or "
+            "ScheduleInterleaved1F1B (full backwards), or a standard optimizer stepped after schedule.step()"
         )
 
 
