@@ -5,6 +5,7 @@ from dist_optim._grad_policy import StepStats
 from dist_optim._seed_pair import apply_optimizer_in_backward, get_in_backward_optimizers
 from dist_optim.averaging import average_in_backward
 from dist_optim.optimizer import InBackwardOptimizer
+from dist_optim.pipeline import pipeline_optimizers
 
 __all__ = [
     "InBackwardOptimizer",
@@ -13,4 +14,5 @@ __all__ = [
     "average_in_backward",
     "get_in_backward_optimizers",
     "in_backward",
+    "pipeline_optimizers",
 ]

@@ -1,0 +1,182 @@
+"""In-backward optimizers for the stages of a ``torch.distributed.pipelining`` schedule.
+
+A schedule runs one backward per micro-batch on each stage; a stage's gradients accumulate over them and can be
+stepped only during its last one. :func:`pipeline_optimizers` builds one :class:`InBackwardOptimizer` per stage
+of this rank, gated on the schedule's own micro-batch count and carrying the schedule's ``1 / n`` gradient
+scaling, and refuses the schedules and options whose step could not equal ``schedule.step(); opt.step()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from dist_optim._inputs import is_dtensor
+from dist_optim.optimizer import InBackwardOptimizer
+
+__all__ = ["pipeline_optimizers"]
+
+# Schedule actions that compute the weights' gradients with torch.autograd.grad, which never runs the
+# post-accumulate-grad hooks the step fires on (zero-bubble schedules split each backward into I and W).
+_SPLIT_BACKWARD = ("I", "W", "OVERLAP_F_B")
+
+
+def pipeline_optimizers(
+    schedule: Any, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
+) -> list[InBackwardOptimizer]:
+    r"""One :class:`InBackwardOptimizer` per pipeline stage that ``schedule`` runs on this rank, each stepping its
+    stage once per ``schedule.step()``, during that stage's last micro-batch backward.
+
+    Each optimizer accumulates the first ``n - 1`` micro-batch backwards of its stage (``n``: the schedule's
+    number of micro-batches, read from the schedule) and steps each bucket in the ``n``-th, freeing its gradients
+    as it goes. With the schedule's ``scale_grads=True`` (its default) the schedule would divide the accumulated
+    gradients by ``n`` after its last backward; they are stepped and gone by then, so the optimizer multiplies
+    them by ``1 / n`` before stepping instead (:attr:`~InBackwardOptimizer.grad_multiplier`). The result is
+    ``schedule.step(...)`` followed by ``opt.step(); opt.zero_grad()`` with the same optimizer: bitwise when
+    ``n`` is a power of two (``x * (1 / n)`` is ``x / n`` exactly), within one rounding of each gradient
+    element otherwise. To scale the gradients yourself (``set_grad_multiplier``, e.g. by a token count), build
+    the schedule with ``scale_grads=False``: with ``True``, a multiplier other than ``1 / n`` is refused.
+
+    Args:
+        schedule: a ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` or ``ScheduleLoopedBFS``
+            built over this rank's ``PipelineStage``\ s.
+        optimizer_class: as for :class:`InBackwardOptimizer`.
+        **kwargs: the options of :class:`InBackwardOptimizer` and of ``optimizer_class``, given to every stage's
+            optimizer; not ``accumulation_steps`` (the schedule's micro-batch count is used).
+
+    Returns:
+        The optimizers, in the order of the schedule's stages on this rank (one for a single-stage schedule).
+
+    Raises:
+        NotImplementedError: a zero-bubble schedule or a stage with a ``dw_builder`` (the weights' gradients are
+            computed outside the hooks the step fires on); a DDP-wrapped or FSDP2-sharded stage (the schedule
+            reduces its gradients after the last backward, outside it); ``clip_mode="exact"`` or
+            ``"previous_norm"`` with ``max_grad_norm`` (both need the norm of every stage).
+        ValueError: ``accumulation_steps`` is given; ``schedule`` is not a pipelining schedule.
+
+    Example:
+        >>> opts = dist_optim.pipeline_optimizers(schedule, torch.optim.AdamW, lr=1e-3)  # doctest: +SKIP
+        >>> for x, y in data:  # doctest: +SKIP
+        ...     schedule.step(x) if is_first_stage else schedule.step(target=y)  # each stage steps inside
+    """
+    if "accumulation_steps" in kwargs:
+        raise ValueError(
+            f"accumulation_steps={kwargs['accumulation_steps']!r} was given to pipeline_optimizers: the schedule's "
+            "micro-batch count sets it (one step per schedule.step()); leave it out"
+        )
+    _check_clipping(kwargs)
+    stages = _stages_of(schedule)
+    _check_full_backward(schedule, stages)
+    n = int(schedule._n_microbatches)
+    scale = bool(schedule.scale_grads)
+    optimizers = []
+    for stage in stages:
+        module = stage.submod
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            raise NotImplementedError(
+                f"stage {stage.stage_index} is wrapped in DistributedDataParallel, whose reducer the schedule "
+                "drives by hand in the last micro-batch, around the communication hook this optimizer steps in; "
+                "use plain stages, or a standard optimizer stepped after schedule.step()"
+            )
+        if any(is_dtensor(p) for p in module.parameters()):
+            raise NotImplementedError(
+                f"stage {stage.stage_index} holds DTensor parameters (fully_shard/FSDP2 or tensor parallel): the "
+                "schedule turns FSDP2's gradient sync off in every micro-batch backward and reduce-scatters only "
+                "after the last one, outside any backward (PipelineStage.perform_reduce_grad), where no in-backward "
+                "step can run; the stage's gradients would never be stepped in backward. Use plain stages, or a "
+                "standard optimizer stepped after schedule.step()"
+            )
+        # A stage's parameters live on its rank alone: stepping them on the local gradient is the standard loop.
+        options = {"allow_local_steps": True, **kwargs}
+        opt = InBackwardOptimizer(module, optimizer_class, accumulation_steps=n, **options)
+        if scale and n > 1:
+            opt.set_grad_multiplier(1.0 / n)
+        opt.register_step_pre_hook(_Guard(schedule, stage, n, scale))
+        optimizers.append(opt)
+    return optimizers
+
+
+class _Guard:
+    """Step pre hook: refuses a step whose schedule settings changed since the optimizer was built, or that runs
+    while forwards of the stage still wait for their backward (so not in its last micro-batch backward: a
+    ``schedule.step()`` that raised left backwards counted)."""
+
+    def __init__(self, schedule: Any, stage: Any, n: int, scale: bool) -> None:
+        self.schedule, self.stage, self.n, self.scale = schedule, stage, n, scale
+
+    def __call__(self, opt: InBackwardOptimizer, args: Any, kwargs: Any) -> None:
+        if torch._C._current_graph_task_id() == -1:
+            return  # opt.step() outside backward: a flush the user asked for
+        schedule = self.schedule
+        if (schedule._n_microbatches, bool(schedule.scale_grads)) != (self.n, self.scale):
+            raise RuntimeError(
+                f"the schedule now has n_microbatches={schedule._n_microbatches}, scale_grads={schedule.scale_grads}"
+                f" but its optimizers were built for {self.n}, {self.scale}: build them again with "
+                "pipeline_optimizers(schedule, ...)"
+            )
+        # With scale_grads the schedule's mean is ours to apply, exactly; without it the multiplier is the user's.
+        expected = 1.0 / self.n if self.n > 1 else None
+        if self.scale and opt.grad_multiplier != expected:
+            raise RuntimeError(
+                f"grad_multiplier is {opt.grad_multiplier!r} but the schedule (scale_grads=True, {self.n} "
+                f"micro-batches) needs {expected!r}: set_grad_multiplier replaced the schedule's 1/n. To scale the "
+                "gradients yourself (by a token count), build the schedule with scale_grads=False and "
+                "pipeline_optimizers again, then set_grad_multiplier"
+            )
+        if self.stage.fwd_cache:
+            raise RuntimeError(
+                f"stage {self.stage.stage_index} would step while {len(self.stage.fwd_cache)} of its forwards wait "
+                "for their backward, so not in its last micro-batch backward: a schedule.step() raised before its "
+                "end and left backwards counted. Nothing was stepped in this backward; reload the last checkpoint"
+            )
+
+
+def _stages_of(schedule: Any) -> list[Any]:
+    stages = getattr(schedule, "_stages", None)
+    if stages is None and getattr(schedule, "_stage", None) is not None:
+        stages = [schedule._stage]
+    if not stages or not hasattr(schedule, "_n_microbatches") or not hasattr(schedule, "scale_grads"):
+        raise ValueError(
+            "schedule must be a torch.distributed.pipelining schedule (ScheduleGPipe, Schedule1F1B, "
+            f"ScheduleInterleaved1F1B, ...) built over this rank's stages, got {type(schedule).__name__}"
+        )
+    return list(stages)
+
+
+def _check_full_backward(schedule: Any, stages: list[Any]) -> None:
+    order = getattr(schedule, "pipeline_order", None) or {}
+    split = sorted({
+        str(a.computation_type.value) for actions in order.values() for a in actions
+        if a is not None and str(a.computation_type.value) in _SPLIT_BACKWARD
+    })
+    custom = [s.stage_index for s in stages if getattr(s, "dw_builder", None) is not None]
+    if split or custom:
+        what = (
+            f"its order has {'/'.join(split)} actions (a zero-bubble schedule), which compute the weights' "
+            "gradients with torch.autograd.grad and assign .grad by hand" if split else
+            f"stages {custom} have a dw_builder, whose function computes the weights' gradients after the backward"
+        )
+        raise NotImplementedError(
+            f"{type(schedule).__name__} is not supported: {what}, so the post-accumulate-grad hooks that step in "
+            "backward never run and nothing would be stepped. Use ScheduleGPipe, Schedule1F1B or "
+            "ScheduleInterleaved1F1B (full backwards), or a standard optimizer stepped after schedule.step()"
+        )
+
+
+def _check_clipping(kwargs: dict[str, Any]) -> None:
+    mode = kwargs.get("clip_mode", "exact")
+    if kwargs.get("max_grad_norm") is None or mode not in ("exact", "previous_norm"):
+        return
+    why = (
+        "the last stage runs its last backward (where it steps) before the first stage's has started, so the "
+        "total norm is known on no stage when it steps, and waiting for it there would deadlock the schedule"
+        if mode == "exact" else
+        "each stage's optimizer measures the norm of its own stage only, so it would clip with a stage's norm "
+        "instead of the model's"
+    )
+    raise NotImplementedError(
+        f"clip_mode={mode!r} with max_grad_norm under pipelining: the norm covers every stage, and {why}. Use "
+        "clip_mode='per_parameter', or a standard optimizer with clipping after schedule.step()"
+    )

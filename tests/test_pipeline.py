@@ -1,0 +1,423 @@
+"""Pipeline parallelism (``torch.distributed.pipelining``): each stage's :class:`InBackwardOptimizer`, built by
+``dist_optim.pipeline_optimizers(schedule, ...)``, steps once per ``schedule.step()`` during the stage's last
+micro-batch backward and ends bitwise where the same schedule followed by ``opt.step(); opt.zero_grad()`` ends.
+
+Every scenario builds the same model twice on each of 2 gloo ranks, splits it into the same stages, trains one copy
+with a standard optimizer per stage and the other in backward (same kernel), and compares parameters and optimizer
+state with ``torch.equal``. Four micro-batches: the schedule's ``1 / 4`` scaling is exact, so bitwise holds.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import dist_optim
+import dist_optim.checkpoint
+from helpers import ADAMW, SGD_MOMENTUM, STEPS
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
+
+if dist.is_available():
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleDualPipeV,
+        ScheduleInterleavedZeroBubble,
+        ScheduleLoopedBFS,
+        ScheduleZBVZeroBubble,
+    )
+
+PP_WIDTH = 8
+N_LAYERS = 4  # stages of one or two layers: 2 per rank (GPipe, 1F1B) or 1 per stage, 2 stages per rank (interleaved)
+MICRO_BATCHES = 4
+ROWS = 2  # per micro-batch: the schedule splits a batch into equal micro-batches
+MAX_NORM = 0.05  # small enough that every tensor is clipped
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs"]
+MULTI = {"interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv", "dualpipev"}  # 2 stages per rank
+OPTIMIZERS = {"AdamW-fused": (torch.optim.AdamW, ADAMW), "SGD-momentum-foreach": (torch.optim.SGD, SGD_MOMENTUM)}
+
+
+def _layers(seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return [nn.Sequential(nn.Linear(PP_WIDTH, PP_WIDTH), nn.Tanh()) for _ in range(N_LAYERS)]
+
+
+def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+def _device(ctx) -> torch.device:
+    return torch.device("cuda", ctx.rank) if ctx.backend == "nccl" else torch.device("cpu")  # NCCL: a GPU per rank
+
+
+def _data(steps: int, n: int = MICRO_BATCHES, seed: int = 1, device: torch.device | str = "cpu") -> list:
+    g = torch.Generator().manual_seed(seed)  # the same batches on every rank: the first stage reads x, the last y
+    rows = n * ROWS
+    return [(torch.randn(rows, PP_WIDTH, generator=g).to(device), torch.randn(rows, PP_WIDTH, generator=g).to(device))
+            for _ in range(steps)]
+
+
+def build(ctx, schedule: str, n: int = MICRO_BATCHES, scale_grads: bool = True):
+    """This rank's stage modules (fresh copies of the same layers) and the schedule over them."""
+    layers = _layers()
+    if schedule in ("zbv", "dualpipev"):
+        n_stages = 2 * ctx.world  # V shape: rank r holds stages r and 2 * world - 1 - r
+        mine = sorted([ctx.rank, n_stages - 1 - ctx.rank])
+        per = N_LAYERS // n_stages
+    elif schedule in MULTI:
+        n_stages = 2 * ctx.world  # stage s on rank s % world: 2 stages per rank
+        mine = [s for s in range(n_stages) if s % ctx.world == ctx.rank]
+        per = N_LAYERS // n_stages
+    else:
+        n_stages, mine, per = ctx.world, [ctx.rank], N_LAYERS // ctx.world
+    device = _device(ctx)
+    modules = [nn.Sequential(*copy.deepcopy(layers[s * per:(s + 1) * per])).to(device) for s in mine]
+    stages = [PipelineStage(m, s, n_stages, device) for m, s in zip(modules, mine)]
+    if schedule in MULTI:
+        cls = {"interleaved-1f1b": ScheduleInterleaved1F1B, "looped-bfs": ScheduleLoopedBFS,
+               "zero-bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
+               "dualpipev": ScheduleDualPipeV}[schedule]
+        sched = cls(stages, n_microbatches=n, loss_fn=_loss, scale_grads=scale_grads)
+    else:
+        cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+        sched = cls(stages[0], n_microbatches=n, loss_fn=_loss, scale_grads=scale_grads)
+    first = 0 in mine
+    last = n_stages - 1 in mine
+    return modules, sched, first, last
+
+
+def run_step(sched, first: bool, last: bool, batch) -> None:
+    x, y = batch
+    args = (x,) if first else ()
+    kwargs = {"target": y} if last else {}
+    sched.step(*args, **kwargs)
+
+
+def _clip(modules, clip: str) -> None:
+    for m in modules:
+        for p in m.parameters():
+            if clip == "per_parameter":
+                nn.utils.clip_grad_norm_([p], MAX_NORM)
+            elif clip == "value":
+                nn.utils.clip_grad_value_([p], MAX_NORM)
+
+
+def _clip_options(clip: str) -> dict:
+    if clip == "per_parameter":
+        return {"max_grad_norm": MAX_NORM, "clip_mode": "per_parameter"}
+    if clip == "value":
+        return {"max_grad_value": MAX_NORM}
+    return {}
+
+
+def train_standard(ctx, schedule, opt_name, clip, steps=STEPS, n=MICRO_BATCHES, scale_grads=True):
+    cls, kw = OPTIMIZERS[opt_name]
+    modules, sched, first, last = build(ctx, schedule, n, scale_grads)
+    opts = [cls(m.parameters(), **kw) for m in modules]
+    for batch in _data(steps, n, device=_device(ctx)):
+        run_step(sched, first, last, batch)
+        _clip(modules, clip)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return modules, opts
+
+
+def train_in_backward(ctx, schedule, opt_name, clip, steps=STEPS, n=MICRO_BATCHES, scale_grads=True, **engine):
+    cls, kw = OPTIMIZERS[opt_name]
+    modules, sched, first, last = build(ctx, schedule, n, scale_grads)
+    opts = dist_optim.pipeline_optimizers(sched, cls, **kw, **_clip_options(clip), **engine)
+    for batch in _data(steps, n, device=_device(ctx)):
+        run_step(sched, first, last, batch)
+        for m in modules:
+            assert all(p.grad is None for p in m.parameters()), "a gradient outlived its stage's last backward"
+        for opt in opts:
+            opt.step()  # an existing loop's calls: nothing left to do
+            opt.zero_grad()
+    return modules, opts
+
+
+def assert_same(a_modules, a_opts, b_modules, b_opts, exact: bool = True) -> None:
+    compare = torch.equal if exact else (lambda x, y: torch.allclose(x, y, rtol=1e-5, atol=1e-7))
+    for ma, mb in zip(a_modules, b_modules, strict=True):
+        for (name, p), q in zip(ma.named_parameters(), mb.parameters(), strict=True):
+            assert compare(p, q), f"{name}: max diff {(p - q).abs().max().item():.3g}"
+    for oa, ob in zip(a_opts, b_opts, strict=True):
+        sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
+        assert sorted(sa) == sorted(sb)
+        for k in sa:
+            for key, v in sa[k].items():
+                assert compare(v, sb[k][key]), f"state {k}/{key} differs"
+
+
+# -- scenarios ----------------------------------------------------------------------------------------------------
+def _parity(ctx, schedule, opt_name, clip):
+    want = train_standard(ctx, schedule, opt_name, clip)
+    got = train_in_backward(ctx, schedule, opt_name, clip, bucket_cap_mb=1e-4)  # several buckets per stage
+    assert_same(*got, *want)
+
+
+@pytest.mark.parametrize("clip", ["none", "per_parameter", "value"])
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_schedule_equals_standard_loop(ranks, schedule, opt_name, clip):
+    ranks.run(2, _parity, schedule=schedule, opt_name=opt_name, clip=clip)
+
+
+def _uneven_micro_batches(ctx, schedule):
+    # 3 micro-batches: x * (1/3) is not always x / 3, so the last bit of a gradient may differ (one rounding)
+    want = train_standard(ctx, schedule, "SGD-momentum-foreach", "none", n=3)
+    got = train_in_backward(ctx, schedule, "SGD-momentum-foreach", "none", n=3)
+    assert_same(*got, *want, exact=False)
+    assert got[1][0].grad_multiplier == pytest.approx(1 / 3)
+
+
+def test_three_micro_batches_within_one_rounding(ranks):
+    ranks.run(2, _uneven_micro_batches, schedule="1f1b")
+
+
+def _sum_losses(ctx):
+    # scale_grads=False: the schedule divides nothing and neither does the optimizer
+    want = train_standard(ctx, "gpipe", "AdamW-fused", "none", scale_grads=False)
+    got = train_in_backward(ctx, "gpipe", "AdamW-fused", "none", scale_grads=False)
+    assert_same(*got, *want)
+    assert got[1][0].grad_multiplier is None
+
+
+def test_scale_grads_false_equals_standard_loop(ranks):
+    ranks.run(2, _sum_losses)
+
+
+def _own_multiplier(ctx):
+    # scale_grads=False leaves the scaling to the user: a multiplier of theirs, as a standard loop scaling .grad
+    modules, sched, first, last = build(ctx, "1f1b", scale_grads=False)
+    opts = [torch.optim.SGD(m.parameters(), **SGD_MOMENTUM) for m in modules]
+    for batch in _data(STEPS):
+        run_step(sched, first, last, batch)
+        for m in modules:
+            for p in m.parameters():
+                p.grad.mul_(0.125)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    r_modules, r_sched, first, last = build(ctx, "1f1b", scale_grads=False)
+    r_opts = dist_optim.pipeline_optimizers(r_sched, torch.optim.SGD, **SGD_MOMENTUM)
+    for o in r_opts:
+        o.set_grad_multiplier(0.125)
+    for batch in _data(STEPS):
+        run_step(r_sched, first, last, batch)
+    assert_same(r_modules, r_opts, modules, opts)
+
+
+def test_own_multiplier_with_scale_grads_false(ranks):
+    ranks.run(2, _own_multiplier)
+
+
+def _steps_once_in_last_backward(ctx, schedule):
+    modules, sched, first, last = build(ctx, schedule)
+    opts = dist_optim.pipeline_optimizers(sched, torch.optim.SGD, **SGD_MOMENTUM)
+    seen = []  # per bucket stepped: the stage's forwards still waiting for their backward (0: its last backward)
+    for opt, stage in zip(opts, sched._stages if hasattr(sched, "_stages") else [sched._stage]):
+        opt.register_bucket_step_hook(lambda o, params, stage=stage: seen.append(len(stage.fwd_cache)))
+    for k, batch in enumerate(_data(2)):
+        run_step(sched, first, last, batch)
+        assert [o.micro_batches for o in opts] == [0] * len(opts)
+        assert all(float(s["momentum_buffer"].abs().sum()) > 0 for o in opts for s in o.state.values())
+    assert seen and set(seen) == {0}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_steps_in_each_stages_last_backward(ranks, schedule):
+    ranks.run(2, _steps_once_in_last_backward, schedule=schedule)
+
+
+def _zero_bubble(ctx):
+    modules, sched, first, last = build(ctx, "zero-bubble")
+    with pytest.raises(NotImplementedError, match="zero-bubble.*autograd.grad.*never run"):
+        dist_optim.pipeline_optimizers(sched, torch.optim.SGD, lr=0.1)
+    # the reason: with a standard optimizer, the weights of stages past the first get their gradients without any
+    # post-accumulate-grad hook running
+    calls = {}
+    for m, stage in zip(modules, sched._stages):
+        for p in m.parameters():
+            p.register_post_accumulate_grad_hook(lambda p, s=stage.stage_index: calls.__setitem__(s, calls.get(s, 0) + 1))
+    run_step(sched, first, last, _data(1)[0])
+    assert all(p.grad is not None for m in modules for p in m.parameters())
+    return calls
+
+
+def test_zero_bubble_refused_because_its_weight_gradients_run_no_hook(ranks):
+    calls = ranks.run(2, _zero_bubble)
+    stages_with_hooks = {s for c in calls for s in c}
+    assert 1 not in stages_with_hooks and 2 not in stages_with_hooks and 3 not in stages_with_hooks, calls
+
+
+def _guard_multiplier(ctx):
+    modules, sched, first, last = build(ctx, "gpipe")
+    (opt,) = dist_optim.pipeline_optimizers(sched, torch.optim.SGD, lr=0.1)
+    opt.set_grad_multiplier(0.5)
+    before = [p.detach().clone() for p in modules[0].parameters()]
+    with pytest.raises(RuntimeError) as info:  # the schedule wraps the backward's error in its own
+        run_step(sched, first, last, _data(1)[0])
+    assert "grad_multiplier is 0.5 but the schedule (scale_grads=True, 4 micro-batches) needs 0.25" in str(
+        info.value.__cause__), info.value.__cause__
+    assert all(torch.equal(p, q) for p, q in zip(modules[0].parameters(), before))
+
+
+def _v_schedules_refused(ctx, schedule):
+    modules, sched, first, last = build(ctx, schedule)
+    with pytest.raises(NotImplementedError, match=f"{type(sched).__name__} is not supported: its order has"):
+        dist_optim.pipeline_optimizers(sched, torch.optim.SGD, lr=0.1)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_shaped_zero_bubble_schedules_refused(ranks, schedule):
+    ranks.run(2, _v_schedules_refused, schedule=schedule)
+
+
+def test_guard_refuses_a_replaced_multiplier(ranks):
+    # one rank, one stage: the step refused by a guard raises on the only stage, which no peer waits for
+    ranks.run(1, _guard_multiplier)
+
+
+@pytest.mark.parametrize("options, error, match", [
+    ({"accumulation_steps": 4}, ValueError, "the schedule's micro-batch count sets it"),
+    ({"max_grad_norm": 1.0}, NotImplementedError, "clip_mode='exact'.*deadlock"),
+    ({"max_grad_norm": 1.0, "clip_mode": "previous_norm"}, NotImplementedError, "its own stage only"),
+])
+def test_refused_options(options, error, match):
+    with pytest.raises(error, match=match):
+        dist_optim.pipeline_optimizers(object(), torch.optim.SGD, lr=0.1, **options)
+
+
+def test_refuses_what_is_not_a_schedule():
+    with pytest.raises(ValueError, match="must be a torch.distributed.pipelining schedule.*got Linear"):
+        dist_optim.pipeline_optimizers(nn.Linear(2, 2), torch.optim.SGD, lr=0.1)
+
+
+# -- checkpoints: each stage saves its own part, over a group of the ranks that hold it ----------------------------
+def _stage_groups(ctx):
+    # one group per rank (a stage lives on one rank); created by every rank in the same order, as new_group needs
+    return ctx.cached("pp-own-groups", lambda: [dist.new_group([r]) for r in range(ctx.world)])[ctx.rank]
+
+
+def _shared_dir(ctx) -> str:
+    import tempfile
+
+    path = [tempfile.mkdtemp(prefix="pp_ckpt_") if ctx.rank == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    return path[0]
+
+
+def _train_steps(sched, first, last, modules, opts, lrs, batches):
+    for batch in batches:
+        run_step(sched, first, last, batch)
+        for s in lrs:
+            s.step()
+
+
+def _resume(ctx, schedule, opt_name):
+    cls, kw = OPTIMIZERS[opt_name]
+    group, folder = _stage_groups(ctx), _shared_dir(ctx)
+    data = _data(4)
+
+    def fresh():
+        modules, sched, first, last = build(ctx, schedule)
+        opts = dist_optim.pipeline_optimizers(sched, cls, **kw)
+        lrs = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=8) for o in opts]
+        return modules, sched, first, last, opts, lrs
+
+    modules, sched, first, last, opts, lrs = fresh()
+    stages = sched._stages if hasattr(sched, "_stages") else [sched._stage]
+    _train_steps(sched, first, last, modules, opts, lrs, data[:2])
+    for m, o, s, stage in zip(modules, opts, lrs, stages):
+        dist_optim.checkpoint.save(f"{folder}/stage{stage.stage_index}", model=m, optimizer=o, schedulers=s,
+                                   step=2, process_group=group)
+    _train_steps(sched, first, last, modules, opts, lrs, data[2:])
+
+    r_modules, r_sched, first, last, r_opts, r_lrs = fresh()  # a new job: new modules, schedule and optimizers
+    for m, o, s, stage in zip(r_modules, r_opts, r_lrs, stages):
+        loaded = dist_optim.checkpoint.load(f"{folder}/stage{stage.stage_index}", model=m, optimizer=o,
+                                            schedulers=s, process_group=group)
+        assert loaded.step == 2
+    _train_steps(r_sched, first, last, r_modules, r_opts, r_lrs, data[2:])
+    assert_same(r_modules, r_opts, modules, opts)
+    assert [s.get_last_lr() for s in r_lrs] == [s.get_last_lr() for s in lrs]
+    dist.barrier()
+    if ctx.rank == 0:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+def test_checkpoint_per_stage_resumes_bitwise(ranks, schedule):
+    ranks.run(2, _resume, schedule=schedule, opt_name="AdamW-fused")
+
+
+# -- pipeline x FSDP2: refused, and why ----------------------------------------------------------------------------
+def _pp_fsdp2(ctx):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = ctx.cached("pp-dp-mesh", lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")))
+    pp_rank, dp_mesh = mesh["pp"].get_local_rank(), mesh["dp"]
+    layers = _layers()
+    module = nn.Sequential(*copy.deepcopy(layers[2 * pp_rank:2 * pp_rank + 2]))
+    for layer in module:
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(module, mesh=dp_mesh)
+    stage = PipelineStage(module, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    sched = Schedule1F1B(stage, n_microbatches=MICRO_BATCHES, loss_fn=_loss)
+    with pytest.raises(NotImplementedError, match="DTensor parameters .* outside any backward"):
+        dist_optim.pipeline_optimizers(sched, torch.optim.AdamW, **ADAMW)
+    # the reason: the sharded gradients' hooks run after the schedule's last backward, from perform_reduce_grad
+    tasks = []
+    for p in module.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: tasks.append(torch._C._current_graph_task_id()))
+    run_step(sched, pp_rank == 0, pp_rank == 1, _data(1)[0])
+    return tasks
+
+
+def test_pipeline_x_fsdp2_refused_because_its_hooks_run_outside_backward(ranks):
+    tasks = ranks.run(4, _pp_fsdp2)
+    assert all(t and set(t) == {-1} for t in tasks), tasks
+
+
+# -- composition: EMA in backward, telemetry ------------------------------------------------------------------------
+def _ema(ctx):
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    cls, kw = OPTIMIZERS["AdamW-fused"]
+    modules, sched, first, last = build(ctx, "1f1b")
+    opts = [cls(m.parameters(), **kw) for m in modules]
+    emas = [AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9)) for m in modules]
+    for batch in _data(STEPS):
+        run_step(sched, first, last, batch)
+        for m, o, e in zip(modules, opts, emas):
+            o.step()
+            o.zero_grad()
+            e.update_parameters(m)
+    r_modules, r_sched, first, last = build(ctx, "1f1b")
+    r_opts = dist_optim.pipeline_optimizers(r_sched, cls, **kw, bucket_cap_mb=1e-4)
+    r_emas = [AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9)) for m in r_modules]
+    for o, e, m in zip(r_opts, r_emas, r_modules):
+        dist_optim.average_in_backward(o, e, m)
+    for batch in _data(STEPS):
+        run_step(r_sched, first, last, batch)
+        n_params = sum(1 for m in r_modules for _ in m.parameters())
+        assert sum(o.last_step.params_stepped for o in r_opts) == n_params  # telemetry: the stage's last backward
+    for e, r in zip(emas, r_emas):
+        assert all(torch.equal(a, b) for a, b in zip(e.state_dict().values(), r.state_dict().values()))
+        assert int(r.n_averaged) == STEPS
+
+
+def test_ema_in_backward_equals_standard_update(ranks):
+    ranks.run(2, _ema)
