@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every CUDA check of dist_optim in one run, for a GPU machine (a few minutes, not yet measured; under 8 by the
-# per-step timeouts): the tests in tests/gpu (one process; DDP, FSDP2 and pipeline stages on NCCL, 1 rank per GPU; FSDP2 with
-# CPUOffloadPolicy) and the CUDA variants of the benchmarks. Results (logs, JUnit XML, JSON) go to $OUT if set,
+# per-step timeouts): the tests in tests/gpu (one process; DDP, FSDP2 and pipeline stages on NCCL, 1 rank per GPU;
+# FSDP2 with CPUOffloadPolicy) and the CUDA variants of the benchmarks. Results (logs, JUnit XML, JSON) go to $OUT if set,
 # else ./gpu-results. A failing step does not stop the others; the script fails at the end if any step did.
 #
 #   bash tests/gpu/run.sh                     # from the repository root (or anywhere: it finds the root)
