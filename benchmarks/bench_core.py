@@ -12,6 +12,12 @@ torch_private_fused / torch_private_default (``torch.distributed.optim._apply_op
 ones must end bitwise equal to standard_fused. Memory: the allocator peak of one iteration after the warm-up; the
 theoretical saving is all gradient bytes minus the largest bucket's (from ``opt.buckets``), measured again at 4x
 the batch, where more activations are alive when the largest bucket completes.
+
+Hook-bound models (``--models stack500,stack2000``: 250 and 1000 x LayerNorm(1024), 500 and 2000 tensors of
+4 KiB each, 4 MiB of gradients at most; quick: 20 x LayerNorm(64)) measure what the hook path costs per tensor:
+standard_fused, inbackward, and standard_fused_noop_hooks (the standard loop with a post-accumulate-grad hook that
+does nothing on every tensor: torch's own cost of calling a Python hook, which no engine can avoid). The added
+cost per tensor is the paired median of (in-backward - standard) over the tensor count, in microseconds.
 """
 
 from __future__ import annotations
@@ -31,6 +37,15 @@ RATIOS = [("inbackward", "standard_fused"), ("inbackward", "torch_private_fused"
 TARGETS = {"inbackward/standard_fused": 1.0, "inbackward/torch_private_default": 0.8,
            "inbackward/torch_private_fused": 0.8}
 TARGET_SAVING = 0.9
+# Hook-bound stacks: (LayerNorm layers, width), two tensors each; quick: tiny.
+STACKS = {"stack500": (250, 1024), "stack2000": (1000, 1024)}
+STACK_QUICK = (20, 64)
+STACK_RATIOS = [("inbackward", "standard_fused"), ("standard_fused_noop_hooks", "standard_fused")]
+
+
+def stack(layers: int, width: int) -> nn.Sequential:
+    """``layers`` LayerNorms: 2 x ``layers`` tensors of ``width`` elements each, hardly any arithmetic."""
+    return nn.Sequential(*[nn.LayerNorm(width) for _ in range(layers)])
 
 
 def variant(name: str, model: nn.Module, x: torch.Tensor, args: Any) -> h.Variant:
@@ -40,9 +55,15 @@ def variant(name: str, model: nn.Module, x: torch.Tensor, args: Any) -> h.Varian
         model(x).square().mean().backward()
 
     opt: Any = None
+    if name == "standard_fused_noop_hooks":
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(_noop)
+        v = h.standard(backward, list(model.parameters()), h.adamw(model.parameters()))
+        v.reference = "standard_fused"
+        return v
     if name.startswith("standard"):
         return h.standard(backward, list(model.parameters()),
-                          h.adamw(model.parameters(), fused=name == "standard_fused" or None))
+                          h.adamw(model.parameters(), fused=name.startswith("standard_fused") or None))
     if name.startswith("inbackward"):
         opt = h.in_backward(model, args.bucket_cap_mb, per_parameter=name.endswith("per_param"))
     else:
@@ -53,6 +74,43 @@ def variant(name: str, model: nn.Module, x: torch.Tensor, args: Any) -> h.Varian
                                      {"lr": h.LR, "weight_decay": h.WEIGHT_DECAY, **fused})
     ref = None if name == "standard_fused" or name.endswith("default") else "standard_fused"
     return h.Variant([backward], list(model.parameters()), opt, ref)
+
+
+def _noop(_param: torch.Tensor) -> None:
+    pass
+
+
+def per_tensor_us(res: dict[str, Any], a: str, b: str, n: int) -> dict[str, float]:
+    """``a``'s time minus ``b``'s per tensor (us): the median and quartiles of the per-repetition differences."""
+    ta, tb = (res["variants"][v]["timing"]["samples_s"] for v in (a, b))
+    q = h.quartiles([(x - y) / n * 1e6 for x, y in zip(ta, tb)])
+    return {"median_us": q["median_s"], "p25_us": q["p25_s"], "p75_us": q["p75_s"]}
+
+
+def bench_stack(name: str, args: Any, device: torch.device) -> dict[str, Any]:
+    layers, width = STACK_QUICK if args.quick else STACKS[name]
+    torch.manual_seed(0)
+    base = stack(layers, width).to(device)
+    for p in base.parameters():  # away from LayerNorm's ones and zeros, so that every step changes something
+        p.data.add_(torch.randn_like(p), alpha=0.1)
+    x = torch.randn(args.batch, width, device=device)
+    names = ("standard_fused", "inbackward", "standard_fused_noop_hooks")
+    variants = {n: variant(n, copy.deepcopy(base), x, args) for n in names}
+    res = h.measure(variants, args, STACK_RATIOS, device)
+    n = len(list(base.parameters()))
+    res.update(n_tensors=n, grad_bytes=h.nbytes(base.parameters()),
+               buckets_bytes=h.bucket_bytes(variants["inbackward"].opt))
+    res["per_tensor"] = {"inbackward_added_us": per_tensor_us(res, "inbackward", "standard_fused", n),
+                         "noop_hook_us": per_tensor_us(res, "standard_fused_noop_hooks", "standard_fused", n)}
+    res["targets_met"] = {"inbackward/standard_fused": res["ratios"]["inbackward/standard_fused"]["paired_median"]
+                          <= TARGETS["inbackward/standard_fused"]}
+    print(f"\n=== {name}: {n} tensors of {h.mib(res['grad_bytes'] / n)} MiB, batch {args.batch}; "
+          f"{len(res['buckets_bytes'])} buckets")
+    h.print_table(res)
+    for key, t in res["per_tensor"].items():
+        print(f"    per tensor, {key}: {t['median_us']:.2f} us ({t['p25_us']:.2f}-{t['p75_us']:.2f})")
+    print("    targets: " + ", ".join(f"{k} {'met' if ok else 'MISSED'}" for k, ok in res["targets_met"].items()))
+    return res
 
 
 def saving(std_peak: int, peak: int, grad_bytes: int, in_flight: int) -> dict[str, Any]:
@@ -106,12 +164,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = h.parser("bench_core", __doc__)
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="the engine's bucket_cap_mb (default: its own; quick: 0.05, several buckets)")
-    p.add_argument("--models", default="many_small,few_large", help="comma-separated subset of the models")
+    p.add_argument("--models", default="many_small,few_large,stack500,stack2000",
+                   help="comma-separated subset of many_small, few_large, stack500, stack2000")
     args = h.parse(p, argv, quick={"threads": 1, "repeats": 3, "iters": 1, "warmup": 2, "bucket_cap_mb": 0.05},
                    full={"threads": min(2, os.cpu_count() or 1), "repeats": 35, "iters": 3, "warmup": 3})
     run = h.Run("bench_core", args)
     device = h.device_of(args)
-    models = {m: bench_model(m, *h.models(args.quick)[m], args, device) for m in args.models.split(",")}
+    models = {m: bench_stack(m, args, device) if m in STACKS else bench_model(m, *h.models(args.quick)[m], args, device)
+              for m in args.models.split(",")}
     return run.finish({"models": models})
 
 

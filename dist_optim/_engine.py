@@ -3,8 +3,10 @@
 Buckets are learned online, in the order gradients arrive: a parameter with no bucket yet joins the bucket being
 learned, which is closed and settled when the next gradient would not fit in ``cap_bytes`` (or when it is full).
 Closed buckets settle when their last gradient arrives; whatever is left when backward ends is settled by a
-callback queued on the autograd engine. Hooks hold the engine weakly, so a dropped optimizer never keeps a model
-alive through its parameters. The engine knows its owner only through :class:`Owner`.
+callback queued on the autograd engine. Each parameter holds its engine in its own ``__dict__``, where the garbage
+collector sees it, so an optimizer lives as long as the parameters it steps; the hook takes the parameter and
+closes over nothing, so no cycle runs through torch's C++ hook dicts and dropping model and optimizer frees both.
+The engine knows its owner only through :class:`Owner`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import sys
 import time
 import warnings
-import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
@@ -139,8 +141,8 @@ class Engine:
 
     # -- registration -------------------------------------------------------------------------------------------
     def add_params(self, group_index: int, params: list[torch.Tensor]) -> list[RemovableHandle | None]:
-        """Hook ``params`` (but those in ``comm_stepped``); returns their hooks' handles (``None``: no hook)."""
-        ref = weakref.ref(self)
+        """Link ``params`` to this engine and hook them (but those in ``comm_stepped``, which a communication hook
+        settles); returns their hooks' handles (``None``: no hook)."""
         handles: list[RemovableHandle | None] = []
         for p in params:
             i = len(self.params)
@@ -150,16 +152,22 @@ class Engine:
             self.index_of[id(p)] = i
             local = p.to_local() if is_dtensor(p) else p  # a shard holds only its part of the gradient
             self.nbytes.append(local.numel() * local.element_size())
-            handle = None if id(p) in self.comm_stepped else p.register_post_accumulate_grad_hook(_make_hook(ref, i))
+            p.__dict__[_LINK] = _Link(self, i)
+            handle = None if id(p) in self.comm_stepped else p.register_post_accumulate_grad_hook(_grad_accumulated)
             if handle is not None:
                 self.handles.append(handle)
             handles.append(handle)
         return handles
 
     def remove(self) -> None:
+        """Detach: hooks removed, the parameters' links to this engine cleared."""
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        for p in self.params:
+            link = p.__dict__.get(_LINK)
+            if isinstance(link, _Link) and link.engine is self:
+                del p.__dict__[_LINK]
 
     def rebuild(self) -> None:
         """Rebuild every bucket's inner optimizers after the owner's groups or state were replaced."""
@@ -181,7 +189,7 @@ class Engine:
             return
         b.arrived += 1
         if b.arrived == b.size:
-            self.settle(b, bw)
+            self.settle(b, bw, complete=True)
 
     def enter_backward(self) -> bool:
         """For a communication hook: begin this backward if it is new; whether it steps."""
@@ -330,16 +338,17 @@ class Engine:
         for i in indices:
             self.bucket_of[i] = b
         self.buckets.append(b)
-        self.settle(b, bw)
+        self.settle(b, bw, complete=True)  # every gradient of a learned bucket arrived in this backward
 
     # -- settling: the one rule for every bucket ----------------------------------------------------------------
-    def settle(self, b: _Bucket, bw: _Backward) -> None:
+    def settle(self, b: _Bucket, bw: _Backward, complete: bool = False) -> None:
         """All of ``b``'s gradients that will come in ``bw`` are here: step it, skip it, or hold it until the whole
-        step is decided (:meth:`_settle_held`)."""
+        step is decided (:meth:`_settle_held`). ``complete``: every tensor of ``b`` got its gradient in ``bw``
+        (its hook ran), so none needs looking at."""
         b.arrived = 0
         policy = bw.policy
         if not policy.active:
-            self._step(b, bw)
+            self._step(b, bw, complete)
             return
         present = [p for p in b.params if p.grad is not None]
         if not present:
@@ -367,13 +376,13 @@ class Engine:
         bw.policy.stats.params_skipped += len(present)
         self._free(b, bw, len(present) == b.size)
 
-    def _step(self, b: _Bucket, bw: _Backward) -> None:
+    def _step(self, b: _Bucket, bw: _Backward, complete: bool = False) -> None:
         if not bw.began:
             bw.began = True
             self.incomplete = True
             self.owner.step_begins()
         t0 = time.perf_counter()
-        stepped = [p for p in b.params if p.grad is not None]
+        stepped = list(b.params) if complete else [p for p in b.params if p.grad is not None]
         try:
             step_inner_optimizers(b.inners)
         finally:
@@ -503,18 +512,28 @@ def _refuse_nested_backward() -> None:
     )
 
 
-def _make_hook(ref: weakref.ref[Engine], i: int) -> Callable[[torch.Tensor], None]:
-    def hook(_param: torch.Tensor) -> None:
-        engine = ref()
-        if engine is not None:
-            engine.grad_ready(i)
-        else:
-            warnings.warn(
-                "a parameter's InBackwardOptimizer was garbage-collected while its hooks were attached, so it is "
-                "no longer stepped in backward and its gradient accumulates. Keep a reference to the optimizer "
-                "for as long as you train, or call .remove() on it before dropping it",
-                UserWarning,
-                stacklevel=2,
-            )
+class _Link:
+    """What a parameter holds in its ``__dict__``: its engine (kept alive by it) and its index there. A copy or a
+    pickle of the parameter carries an empty ``OrderedDict`` instead (``torch.load(weights_only=True)`` accepts
+    it): the copy is not stepped, as torch's hooks are not copied either."""
 
-    return hook
+    __slots__ = ("engine", "index")
+
+    def __init__(self, engine: Engine, index: int) -> None:
+        self.engine = engine
+        self.index = index
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return OrderedDict, ()
+
+    def __deepcopy__(self, memo: dict[int, object]) -> OrderedDict:
+        return OrderedDict()
+
+
+_LINK = "_in_backward_engine"
+
+
+def _grad_accumulated(param: torch.Tensor) -> None:
+    # The one hook of every parameter: it reaches the engine through the parameter, so it holds nothing itself.
+    link = param._in_backward_engine
+    link.engine.grad_ready(link.index)

@@ -1,7 +1,8 @@
 """Who steps a parameter in backward: a gradient can be consumed once, so two owners of one parameter are refused.
 
-The registry is keyed weakly by parameter and its values never refer to their key, so it keeps nothing alive; the
-hooks of an owner that was garbage-collected are detached when a new owner claims the parameter.
+The registry is keyed weakly by parameter and its values never refer to their key, so it keeps nothing alive (what
+keeps an owner alive is the parameter itself: the engine's link, the seed pair's list); the hooks of an owner that
+was dropped (the seed pair's list replaced by hand) are detached when a new owner claims the parameter.
 """
 
 from __future__ import annotations

@@ -54,6 +54,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     never arrive are not stepped; a partial bucket is stepped when backward ends. The result equals the standard
     loop ``loss.backward(); opt.step(); opt.zero_grad()`` with the same optimizer and implementation.
 
+    The optimizer lives as long as the parameters it steps, which hold it (as ``_in_backward_engine`` in their
+    ``__dict__``, left out of copies and pickles): dropping the last reference to it does not stop training, and
+    dropping model and optimizer frees both. :meth:`remove` detaches it.
+
     Args:
         params: what ``torch.optim`` accepts (tensors, ``named_parameters()``, param-group dicts) or an
             ``nn.Module``, whose frozen parameters are skipped: plain, DDP-wrapped (stepped after each bucket's
@@ -595,8 +599,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             cls.__setstate__(shell, {"defaults": dict(self.defaults), "state": state, "param_groups": groups})
 
     def remove(self) -> None:
-        """Detach every hook. The model then trains with a standard optimizer again, and this object behaves as
-        one: :meth:`step` steps whatever gradients are present."""
+        """Detach every hook, and let the parameters go of this optimizer (until then they keep it alive, so that
+        dropping the last reference to it does not stop training). The model then trains with a standard
+        optimizer again, and this object behaves as one: :meth:`step` steps whatever gradients are present."""
         if self._ddp_hook is not None:
             raise NotImplementedError(
                 "cannot detach from a DistributedDataParallel model: DDP keeps its communication hook for its "

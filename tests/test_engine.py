@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import io
-import warnings
 import weakref
 
 import pytest
@@ -200,16 +198,6 @@ def test_reentrant_segments_holding_every_parameter_are_refused(per_parameter):
     assert opt is not None
 
 
-def test_dropping_model_and_optimizer_frees_the_parameters():
-    model = make_model()
-    opt = InBackwardOptimizer(model.parameters(), torch.optim.AdamW, fused=True)
-    loss_of(model, batches(1)[0]).backward()
-    refs = [weakref.ref(p) for p in model.parameters()]
-    del model, opt
-    gc.collect()
-    assert all(r() is None for r in refs)
-
-
 def test_torch_private_function_leaks_where_we_do_not():
     """The reason this project exists: torch's version keeps every parameter alive forever."""
     from torch.distributed.optim import _apply_optimizer_in_backward
@@ -220,36 +208,6 @@ def test_torch_private_function_leaks_where_we_do_not():
     del model
     gc.collect()
     assert ref() is not None
-
-
-def test_a_dropped_optimizer_warns_at_the_next_backward():
-    model = make_model()
-    InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
-    gc.collect()
-    with pytest.warns(UserWarning, match="garbage-collected while its hooks were attached"):
-        loss_of(model, batches(1)[0]).backward()
-    assert model.head.weight.grad is not None  # nothing consumed it: it accumulates like in a standard loop
-    # a new optimizer takes the parameters over and detaches the dead one's hooks
-    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
-    model.zero_grad()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        loss_of(model, batches(1)[0]).backward()
-    assert model.head.weight.grad is None and opt is not None
-
-
-def test_parameters_carry_no_attributes_and_save_cleanly():
-    model = make_model()
-    opt = InBackwardOptimizer(model.parameters(), torch.optim.AdamW, fused=True)
-    loss_of(model, batches(1)[0]).backward()
-    for p in model.parameters():
-        assert p.__dict__ == {}
-    buf = io.BytesIO()
-    torch.save(model.head.weight, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=True)
-    assert torch.equal(loaded, model.head.weight) and loaded.__dict__ == {}
-    assert opt is not None
 
 
 def test_two_optimizers_cannot_consume_the_same_gradient():
