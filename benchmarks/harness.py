@@ -160,6 +160,7 @@ def allocator_peak(fn: Fn, device: torch.device | str = "cpu", *, timeline: bool
     prof = None
     with contextlib.ExitStack() as stack:
         if not cuda or timeline:
+            stack.enter_context(_quiet_kineto(os.path.join(stack.enter_context(tempfile.TemporaryDirectory()), "err")))
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
             prof = stack.enter_context(profile(activities=acts, profile_memory=True))
         fn()
