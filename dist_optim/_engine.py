@@ -316,8 +316,9 @@ class Engine:
         if p.grad is not None and p.grad.is_sparse:
             self.sparse.add(i)
         nbytes = self.nbytes[i]
-        if bw.learning and bw.learning_bytes + nbytes > self.cap_bytes:
-            self._close_learned(bw)  # never exceed the cap: a tensor that does not fit starts the next bucket
+        if bw.learning and (bw.learning_bytes + nbytes > self.cap_bytes  # a tensor that does not fit starts the next
+                            or _leaves_shared_buffer(self.params[bw.learning[-1]].grad, p.grad)):
+            self._close_learned(bw)
         bw.learning.append(i)
         bw.learning_bytes += nbytes
         if self.per_parameter or bw.learning_bytes >= self.cap_bytes:
@@ -449,6 +450,26 @@ class Engine:
         for i in indices:
             parts.setdefault((self.group_of[i], i in self.sparse), []).append(self.params[i])
         return self.recipe.build([(gi, sparse, params) for (gi, sparse), params in parts.items()])
+
+
+def _storage(grad: torch.Tensor | None) -> tuple[int, bool] | None:
+    """The address of ``grad``'s (local) storage and whether that storage holds more than ``grad`` (a view of a
+    shared buffer); ``None``: no dense gradient."""
+    if grad is None or grad.is_sparse:
+        return None
+    local = grad.to_local() if is_dtensor(grad) else grad
+    storage = local.untyped_storage()
+    return storage.data_ptr(), storage.nbytes() > local.numel() * local.element_size()
+
+
+def _leaves_shared_buffer(last: torch.Tensor | None, grad: torch.Tensor | None) -> bool:
+    """Whether ``grad`` lives in another storage than ``last``, a view of a shared buffer. FSDP2 hands each
+    ``fully_shard`` unit's sharded gradients over as views of one reduce-scatter output, which stays alive while any
+    of them does: a bucket that ran on into the next unit would hold the whole buffer of the one before (bytes the
+    cap does not count) through the next reduce-scatter. Closed here, a bucket never spans two units, and from the
+    second backward on each unit's last bucket steps at the unit's last gradient, inside its reduction."""
+    a, b = _storage(last), _storage(grad)
+    return a is not None and a[1] and b is not None and b[0] != a[0]
 
 
 def _was_partial(b: _Bucket, last: _Backward) -> bool:
