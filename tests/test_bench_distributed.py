@@ -1,6 +1,6 @@
 """``python -m benchmarks.bench_distributed --quick`` runs on 2 gloo ranks, each in-backward variant ends bitwise
-where its standard loop under the same wrapper ends, FSDP2 in backward peaks lower (with buckets no higher than per parameter), and the results file holds real
-figures; speed is never asserted here."""
+where its standard loop under the same wrapper ends, FSDP2 in backward peaks lower (and with buckets no higher than
+per parameter), and the results file holds real figures; speed is never asserted here."""
 
 from __future__ import annotations
 
