@@ -324,8 +324,6 @@ class Engine:
         if bw.learning and (bw.learning_bytes + nbytes > self.cap_bytes  # a tensor that does not fit starts the next
                             or _leaves_shared_buffer(self.params[bw.learning[-1]].grad, p.grad)):
             self._close_learned(bw, self._computed_with_last(bw.learning, i))
-            if bw.learning and bw.learning_bytes + nbytes > self.cap_bytes:
-                self._close_learned(bw)  # ``i``'s siblings, which do not fit with it, form a bucket of their own
         bw.learning.append(i)
         bw.learning_bytes += nbytes
         if self.per_parameter or bw.learning_bytes >= self.cap_bytes:
@@ -334,9 +332,9 @@ class Engine:
     def _computed_with_last(self, learning: list[int], i: int) -> int:
         """How many of the last tensors learned were computed by the same autograd node as ``i``. Their gradients
         came into being together (a Linear's bias and weight, from one addmm backward), so a bucket that ended
-        between them would be stepped while ``i``'s gradient is already alive, on top of it: they start the next
-        bucket with ``i`` instead (or, if that would exceed the cap, one of their own), and each bucket then settles
-        before the node that computes the next one's first gradient runs."""
+        between them would be stepped while ``i``'s gradient is already alive, on top of it. They start the next
+        bucket with ``i`` instead, even over the cap (they are alive together whatever the buckets), and each bucket
+        then settles before the node that computes the next one's first gradient runs."""
         node = self.computed_with.get(i)
         k = 0
         while node is not None and k < len(learning) and self.computed_with.get(learning[-1 - k]) == node:
