@@ -91,6 +91,48 @@ def peak_vs_bound(build: Any, width: int, batch: int, bucket_cap_mb: float | Non
             "grad_bytes": h.nbytes(model.parameters()), "buckets": len(opt.buckets)}
 
 
+SWEEP_SIZES = {"1M": (256, 15), "5M": (512, 19), "25M": (1024, 23), "85M": (2048, 20)}  # many_small (width, depth)
+SWEEP_CAPS = (1.0, 4.0, 16.0)  # MiB; and 1/16 of the model's gradient bytes, a cap that adapts to the model
+
+
+def cap_sweep(sizes: dict[str, tuple[int, int]], args: Any, device: torch.device) -> dict[str, Any]:
+    """Per many_small size and bucket cap: the in-backward peak against its bound and the fused standard loop's
+    peak (the saving as a fraction of all gradient bytes), the buckets, and the paired time ratio against the
+    standard loop, all caps of a size timed interleaved in one run. What the default cap was chosen on."""
+    out = {}
+    for name, (width, depth) in sizes.items():
+        torch.manual_seed(0)
+        base = h.many_small(width, depth).to(device)
+        grads = h.nbytes(base.parameters())
+        caps = {f"{c:g} MiB": c for c in SWEEP_CAPS} | {"1/16 of gradients": grads / 16 / h.MiB}
+        x = torch.randn(args.batch, width, device=device)
+        variants = {"standard": variant("standard_fused", copy.deepcopy(base), x, args)}
+        for key, cap in caps.items():
+            model = copy.deepcopy(base)
+            variants[key] = h.Variant([lambda m=model: m(x).square().mean().backward()], list(model.parameters()),
+                                      h.in_backward(model, cap), "standard")
+        for v in variants.values():
+            for _ in range(args.warmup):
+                v.unit()
+        std_peak = h.allocator_peak(variants["standard"].unit, device)["peak_bytes"]
+        timing = h.time_interleaved({n: v.unit for n, v in variants.items()}, args.repeats, args.iters, device)
+        rows = {}
+        for key, cap in caps.items():
+            b = peak_vs_bound(lambda: h.many_small(width, depth), width, args.batch, cap, device)
+            rows[key] = {**b, "cap_mb": cap, "saving_of_grad_bytes": (std_peak - b["peak_bytes"]) / grads,
+                         "time_ratio": h.ratio(timing, key, "standard")}
+        out[name] = {"params": sum(p.numel() for p in base.parameters()), "grad_bytes": grads,
+                     "standard_peak_bytes": std_peak, "caps": rows}
+        print(f"\n=== cap sweep, many_small {width} x {depth}: {out[name]['params'] / 1e6:.1f}M params, "
+              f"{h.mib(grads)} MiB of gradients, standard loop peak {h.mib(std_peak)} MiB")
+        print(f"    {'cap':<20}{'buckets':>8}{'peak MiB':>10}{'/ bound':>9}{'saving':>8}{'time (paired)':>15}")
+        for key, r in rows.items():
+            print(f"    {key:<20}{r['buckets']:>8}{h.mib(r['peak_bytes']):>10}{r['ratio']:>9.3f}"
+                  f"{r['saving_of_grad_bytes']:>8.3f}{r['time_ratio']['paired_median']:>15.3f}")
+        del variants
+    return out
+
+
 def bench_model(name: str, build: Any, width: int, args: Any, device: torch.device) -> dict[str, Any]:
     torch.manual_seed(0)
     base = build().to(device)
@@ -142,10 +184,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="the engine's bucket_cap_mb (default: its own; quick: 0.05, several buckets)")
     p.add_argument("--models", default="many_small,few_large", help="comma-separated subset of the models")
+    p.add_argument("--cap-sweep", default=None, metavar="SIZES",
+                   help=f"instead: peaks, bound and time per bucket cap on many_small of these sizes (of "
+                        f"{','.join(SWEEP_SIZES)}; quick: a tiny one)")
     args = h.parse(p, argv, quick={"threads": 1, "repeats": 3, "iters": 1, "warmup": 2, "bucket_cap_mb": 0.05},
                    full={"threads": min(2, os.cpu_count() or 1), "repeats": 35, "iters": 3, "warmup": 3})
     run = h.Run("bench_core", args)
     device = h.device_of(args)
+    if args.cap_sweep:
+        sizes = {"tiny": (64, 4)} if args.quick else {k: SWEEP_SIZES[k] for k in args.cap_sweep.split(",")}
+        return run.finish({"cap_sweep": cap_sweep(sizes, args, device)})
     models = {m: bench_model(m, *h.models(args.quick)[m], args, device) for m in args.models.split(",")}
     return run.finish({"models": models})
 

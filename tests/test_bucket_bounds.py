@@ -73,3 +73,21 @@ def test_results_equal_the_standard_loop_bitwise(cap):
     assert any(not torch.equal(p, q) for p, q in zip(ref_model.parameters(), initial))
     assert_same_params(model, ref_model)
     assert_same_state(opt.state_dict(), ref.state_dict())
+
+
+def test_cap_sweep_reports_every_cap_within_the_bound():
+    """``python -m benchmarks.bench_core --cap-sweep``, on a tiny model: a cap of 1/16 of the gradient bytes makes
+    buckets where 1 MiB holds the whole model in one, and saves what the bound says it may."""
+    from types import SimpleNamespace
+
+    from benchmarks.bench_core import cap_sweep
+
+    args = SimpleNamespace(batch=8, warmup=2, repeats=2, iters=1)
+    (result,) = cap_sweep({"tiny": (64, 4)}, args, torch.device("cpu")).values()
+    rows = result["caps"]
+    assert set(rows) == {"1 MiB", "4 MiB", "16 MiB", "1/16 of gradients"}
+    assert rows["1 MiB"]["buckets"] == 1 and rows["1 MiB"]["saving_of_grad_bytes"] < 0.05
+    small = rows["1/16 of gradients"]
+    assert small["buckets"] > 4 and small["peak_bytes"] < rows["1 MiB"]["peak_bytes"]
+    assert small["saving_of_grad_bytes"] > 0.3
+    assert all(r["ratio"] <= BOUND_SLACK and r["time_ratio"]["paired_median"] > 0 for r in rows.values()), rows
