@@ -109,7 +109,7 @@ def cap_sweep(sizes: dict[str, tuple[int, int]], args: Any, device: torch.device
         variants = {"standard": variant("standard_fused", copy.deepcopy(base), x, args)}
         for key, cap in caps.items():
             model = copy.deepcopy(base)
-            variants[key] = h.Variant([lambda m=model: m(x).square().mean().backward()], list(model.parameters()),
+            variants[key] = h.Variant([lambda m=model, x=x: m(x).square().mean().backward()], list(model.parameters()),
                                       h.in_backward(model, cap), "standard")
         for v in variants.values():
             for _ in range(args.warmup):
@@ -118,7 +118,7 @@ def cap_sweep(sizes: dict[str, tuple[int, int]], args: Any, device: torch.device
         timing = h.time_interleaved({n: v.unit for n, v in variants.items()}, args.repeats, args.iters, device)
         rows = {}
         for key, cap in caps.items():
-            b = peak_vs_bound(lambda: h.many_small(width, depth), width, args.batch, cap, device)
+            b = peak_vs_bound(lambda w=width, d=depth: h.many_small(w, d), width, args.batch, cap, device)
             rows[key] = {**b, "cap_mb": cap, "saving_of_grad_bytes": (std_peak - b["peak_bytes"]) / grads,
                          "time_ratio": h.ratio(timing, key, "standard")}
         out[name] = {"params": sum(p.numel() for p in base.parameters()), "grad_bytes": grads,
