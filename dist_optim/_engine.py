@@ -138,6 +138,8 @@ class Engine:
         self.incomplete = False  # a bucket was stepped and the end of that backward has not completed
         self.arrival_checked = False  # whether the gradients' producers were looked at (once, in a stepping backward)
         self.at_once_bytes = 0  # gradient bytes that one autograd node hands over at once (whole-model compile)
+        self.computed_with: dict[int, int] = {}  # param index -> a label of the autograd node that computes its
+        # gradient together with its siblings' (from the first stepping backward's graph; empty if not found)
 
     # -- registration -------------------------------------------------------------------------------------------
     def add_params(self, group_index: int, params: list[torch.Tensor]) -> list[RemovableHandle | None]:
@@ -285,6 +287,7 @@ class Engine:
         """Once: whether one autograd node hands over the gradients of every parameter (a model compiled whole,
         whose compiled backward returns them together): then they are all alive at once and buckets save nothing."""
         producers: dict[object, list[int]] = {}
+        parents: dict[object, list[object]] = {}
         seen: set[int] = set()
         stack = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         while stack:
@@ -301,7 +304,9 @@ class Engine:
                     if i is not None:
                         producers.setdefault(node, []).append(i)
                 else:
+                    parents.setdefault(nxt, []).append(node)
                     stack.append(nxt)
+        self.computed_with = _computing_nodes(producers, parents)
         if len(producers) != 1:
             return
         (indices,) = producers.values()
@@ -324,15 +329,34 @@ class Engine:
         if p.grad is not None and p.grad.is_sparse:
             self.sparse.add(i)
         nbytes = self.nbytes[i]
-        if bw.learning and bw.learning_bytes + nbytes > self.cap_bytes:
-            self._close_learned(bw)  # never exceed the cap: a tensor that does not fit starts the next bucket
+        if bw.learning and (bw.learning_bytes + nbytes > self.cap_bytes  # a tensor that does not fit starts the next
+                            or _leaves_shared_buffer(self.params[bw.learning[-1]].grad, p.grad)):
+            self._close_learned(bw, self._computed_with_last(bw.learning, i))
         bw.learning.append(i)
         bw.learning_bytes += nbytes
         if self.per_parameter or bw.learning_bytes >= self.cap_bytes:
             self._close_learned(bw)
 
-    def _close_learned(self, bw: _Backward) -> None:
-        indices, bw.learning, bw.learning_bytes = bw.learning, [], 0
+    def _computed_with_last(self, learning: list[int], i: int) -> int:
+        """How many of the last tensors learned were computed by the same autograd node as ``i``. Their gradients
+        came into being together (a Linear's bias and weight, from one addmm backward), so a bucket that ended
+        between them would be stepped while ``i``'s gradient is already alive, on top of it. They start the next
+        bucket with ``i`` instead, even over the cap (they are alive together whatever the buckets), and each bucket
+        then settles before the node that computes the next one's first gradient runs."""
+        node = self.computed_with.get(i)
+        k = 0
+        while node is not None and k < len(learning) and self.computed_with.get(learning[-1 - k]) == node:
+            k += 1
+        return k
+
+    def _close_learned(self, bw: _Backward, carry: int = 0) -> None:
+        """Close the bucket being learned but for its last ``carry`` tensors, which start the next one (all of
+        them: nothing closes)."""
+        if carry >= len(bw.learning):
+            return
+        indices = bw.learning[:len(bw.learning) - carry]
+        bw.learning = bw.learning[len(indices):]
+        bw.learning_bytes = sum(self.nbytes[j] for j in bw.learning)
         b = _Bucket(indices, [self.params[i] for i in indices], self._inner_optimizers(indices),
                     [self.nbytes[i] for i in indices])
         for i in indices:
@@ -458,6 +482,40 @@ class Engine:
         for i in indices:
             parts.setdefault((self.group_of[i], i in self.sparse), []).append(self.params[i])
         return self.recipe.build([(gi, sparse, params) for (gi, sparse), params in parts.items()])
+
+
+def _computing_nodes(producers: dict[object, list[int]], parents: dict[object, list[object]]) -> dict[int, int]:
+    """Param index -> a label of the node whose run computes its gradient: the node that feeds its AccumulateGrad or,
+    above it, the first that is not a link of a chain (one parent, one child). ``F.linear`` reaches the weight
+    through ``TBackward`` under the addmm's backward, which computes the weight's gradient along with the bias's."""
+    labels: dict[int, int] = {}
+    for node, indices in producers.items():
+        top = node
+        while len(parents.get(top, ())) == 1 and sum(n is not None for n, _ in top.next_functions) == 1:
+            top = parents[top][0]
+        for i in indices:
+            labels.setdefault(i, id(top))  # ids of nodes all held here: distinct
+    return labels
+
+
+def _storage(grad: torch.Tensor | None) -> tuple[int, bool] | None:
+    """The address of ``grad``'s (local) storage and whether that storage holds more than ``grad`` (a view of a
+    shared buffer); ``None``: no dense gradient."""
+    if grad is None or grad.is_sparse:
+        return None
+    local = grad.to_local() if is_dtensor(grad) else grad
+    storage = local.untyped_storage()
+    return storage.data_ptr(), storage.nbytes() > local.numel() * local.element_size()
+
+
+def _leaves_shared_buffer(last: torch.Tensor | None, grad: torch.Tensor | None) -> bool:
+    """Whether ``grad`` lives in another storage than ``last``, a view of a shared buffer. FSDP2 hands each
+    ``fully_shard`` unit's sharded gradients over as views of one reduce-scatter output, which stays alive while any
+    of them does: a bucket that ran on into the next unit would hold the whole buffer of the one before (bytes the
+    cap does not count) through the next reduce-scatter. Closed here, a bucket never spans two units, and from the
+    second backward on each unit's last bucket steps at the unit's last gradient, inside its reduction."""
+    a, b = _storage(last), _storage(grad)
+    return a is not None and a[1] and b is not None and b[0] != a[0]
 
 
 def _was_partial(b: _Bucket, last: _Backward) -> bool:

@@ -65,9 +65,14 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             such a group takes its options from the group dict and that class's defaults, not from
             ``optimizer_kwargs``.
         optimizer_class: a ``torch.optim.Optimizer`` subclass (not an instance), e.g. ``torch.optim.AdamW``.
-        bucket_cap_mb: gradient bytes, in MiB, that a bucket holds at most before it is stepped (a single larger
-            tensor forms a bucket of its own). Default: 4. ``float("inf")``: one bucket, stepped when backward ends
-            (no memory saving).
+        bucket_cap_mb: gradient bytes, in MiB, that a bucket holds at most before it is stepped. The gradients one
+            autograd node computes together (a Linear's weight and bias) share a bucket even over the cap, since
+            they are alive together anyway (a single larger tensor forms a bucket with them alone); under FSDP2 a
+            bucket never spans two ``fully_shard`` units. Default: 4, whatever the size of the model: the peak in
+            backward is the activations alive when it starts plus at most one bucket, and a cap below the model's
+            tensors costs a step each for little memory (measured in docs/benchmarks.md, "The default bucket
+            cap"). ``float("inf")``: one bucket, stepped when backward ends (no memory saving; under FSDP2 one
+            per unit).
         per_parameter: step each parameter on its own as soon as its gradient is ready (least memory, slowest).
         allow_local_steps: in a multi-rank job, step plain tensors on their local, un-reduced gradients (local
             SGD). Without it such a job is refused.

@@ -280,6 +280,43 @@ def _round_trip(ctx, *, source: str, target: str) -> None:
     _assert_same(a, [second.state_dict()], b, [ref.state_dict()], initial)
 
 
+# -- buckets and fully_shard units --------------------------------------------------------------------------------
+def _buckets_within_units(ctx, *, ib: dict, fsdp: dict | None = None) -> None:
+    """A unit's sharded gradients are views of its reduce-scatter output, alive while any of them is: no bucket
+    spans two units, so when any gradient arrives no other unit's gradient is alive (in the first backward, which
+    learns the buckets, too); with a cap every unit fits in, one bucket per unit. Equal to the standard loop."""
+    a, b, initial = _twins(ctx["mesh"], **(fsdp or {}))
+    units = [[f"layers.{k}.{n}" for n, _ in layer.named_parameters()] for k, layer in enumerate(a.layers)]
+    units.append([n for n, _ in a.named_parameters() if not n.startswith("layers.")])
+    unit_of = {n: k for k, names in enumerate(units) for n in names}
+    # the sharded parameters: during backward the module holds a unit's unsharded ones, whose gradients are FSDP2's
+    sharded = dict(a.named_parameters())
+    opt = dist_optim.InBackwardOptimizer(a, torch.optim.AdamW, **ib, **ADAMW)
+    overlaps: list[str] = []
+
+    def probe(name: str) -> Callable[[torch.Tensor], None]:
+        def hook(_p: torch.Tensor) -> None:  # registered after the optimizer's hook: runs once it has settled
+            alive = [n for n, q in sharded.items() if q.grad is not None and unit_of[n] != unit_of[name]]
+            if alive:
+                overlaps.append(f"{name} arrived while {alive} were alive")
+
+        return hook
+
+    for n, p in sharded.items():
+        p.register_post_accumulate_grad_hook(probe(n))
+    ref = torch.optim.AdamW(b.named_parameters(), **ADAMW)
+    data = _data(ctx["rank"])
+    _train_in_backward(a, opt, data)
+    _train_standard(b, ref, data)
+    assert not overlaps, overlaps[:3]
+    name_of = {id(p): n for n, p in sharded.items()}
+    spans = [sorted({unit_of[name_of[id(p)]] for p in bucket}) for bucket in opt.buckets]
+    assert all(len(s) == 1 for s in spans), f"buckets span units: {spans}"
+    if ib.get("bucket_cap_mb", dist_optim.optimizer.DEFAULT_BUCKET_CAP_MB) >= 1:
+        assert len(opt.buckets) == len(units), f"{len(opt.buckets)} buckets for {len(units)} units: {spans}"
+    _assert_same(a, [opt.state_dict()], b, [ref.state_dict()], initial)
+
+
 # -- the seed API -------------------------------------------------------------------------------------------------
 def _seed_api(ctx, cls, kwargs) -> None:
     a, b, initial = _twins(ctx["mesh"])
@@ -351,7 +388,12 @@ def _two_rank_scenarios() -> list[tuple[str, Callable, dict]]:
                   dict(cls=cls, kwargs=kw, ref_kwargs={**kw, impl: True})))
     adamw = dict(cls=torch.optim.AdamW, kwargs=ADAMW)
     sgd = dict(cls=torch.optim.SGD, kwargs=SGD_MOMENTUM)
-    s.append(("AdamW/one-bucket-default-cap", _parity, dict(adamw, ib={"bucket_cap_mb": 4})))
+    s.append(("AdamW/cap-4MiB-one-bucket-per-unit", _parity, dict(adamw, ib={"bucket_cap_mb": 4})))
+    s.append(("buckets/one-per-unit-default-cap", _buckets_within_units, dict(ib={})))
+    s.append(("buckets/within-units-tiny-cap", _buckets_within_units, dict(ib={"bucket_cap_mb": TINY_BUCKETS})))
+    s.append(("buckets/one-per-unit-mixed-precision-bf16", _buckets_within_units,
+              dict(ib={}, fsdp={"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                  reduce_dtype=torch.float32)})))
     s.append(("AdamW/per_parameter", _parity, dict(adamw, ib={"per_parameter": True})))
     s.append(("AdamW/unchanged-standard-loop", _parity, dict(adamw, standard_calls=True)))
     no_reshard = {"reshard_after_forward": False}
