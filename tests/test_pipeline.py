@@ -186,6 +186,23 @@ def test_any_micro_batch_count_bitwise(ranks, schedule, n):
     ranks.run(2, _uneven_micro_batches, schedule=schedule, n=n)
 
 
+def _reconfigured(ctx):
+    # configure_clipping rebuilds the gradient policy: the schedule's division by n must survive it
+    want = train_standard(ctx, "1f1b", "AdamW-fused", "value", n=3)
+    cls, kw = OPTIMIZERS["AdamW-fused"]
+    modules, sched, first, last = build(ctx, "1f1b", 3)
+    opts = dist_optim.pipeline_optimizers(sched, cls, **kw)
+    for opt in opts:
+        opt.configure_clipping(max_grad_value=MAX_NORM)
+    for batch in _data(STEPS, 3):
+        run_step(sched, first, last, batch)
+    assert_same(modules, opts, *want)
+
+
+def test_division_survives_configure_clipping(ranks):
+    ranks.run(2, _reconfigured)
+
+
 def _sum_losses(ctx):
     # scale_grads=False: the schedule divides nothing and neither does the optimizer
     want = train_standard(ctx, "gpipe", "AdamW-fused", "none", scale_grads=False)
