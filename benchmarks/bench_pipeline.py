@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"\n=== stage {r['rank']}: peak = {'the profiler' if no_shim else 'tensor bytes of every thread'}, "
               f"gradients {h.mib(r['grad_bytes'])} MiB")
         h.print_table(r)
-    print(f"\n=== per stage: in backward / standard on the same schedule   time (paired)  peak MiB       "
+    print("\n=== per stage: in backward / standard on the same schedule   time (paired)  peak MiB       "
           "saved / hoped MiB")
     for key, s in summary.items():
         for k in range(len(ranks)):

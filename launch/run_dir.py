@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import pathlib
+import re
 import shutil
 from dataclasses import dataclass, field
 from typing import Any

@@ -75,10 +75,13 @@ class Job:
         adamw = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "weight_decay": cfg.weight_decay}
         if mode == "in_backward" and self.pipe is not None:
             clip = {"max_grad_norm": cfg.max_grad_norm, "clip_mode": cfg.clip_mode} if cfg.max_grad_norm else {}
-            (self.opt,) = dist_optim.pipeline_optimizers(
-                self.pipe.schedule, torch.optim.AdamW, bucket_cap_mb=cfg.bucket_cap_mb,
-                track_grad_norm=cfg.track_grad_norm, **clip, **adamw,
-            )
+            try:
+                (self.opt,) = dist_optim.pipeline_optimizers(
+                    self.pipe.schedule, torch.optim.AdamW, bucket_cap_mb=cfg.bucket_cap_mb,
+                    track_grad_norm=cfg.track_grad_norm, **clip, **adamw,
+                )
+            except (ValueError, NotImplementedError) as e:
+                raise LaunchError(f"dist_optim refuses this setting: {e}") from e
         elif mode == "in_backward":
             try:
                 self.opt = dist_optim.InBackwardOptimizer(
