@@ -1,7 +1,8 @@
 """What happens to a bucket's gradients between backward and the step: unscale, scale, check, measure, clip.
 
-One ``GradPolicy`` per optimizer. The engine hands it each completed bucket (``prepare``), which first applies
-the step's gradient multiplier (a framework's ``1 / num_tokens`` scaling), then the rest; where the decision
+One ``GradPolicy`` per optimizer. The engine hands it each completed bucket (``prepare``), which first divides by
+the step's gradient divisor (a pipeline schedule's ``n`` micro-batches) and applies its multiplier (a framework's
+``1 / num_tokens`` scaling), then the rest; where the decision
 needs every gradient of the step (exact global-norm clipping, all-or-nothing fp16 overflow), the engine holds the
 buckets and asks ``finish_held`` at the end of backward. Arithmetic follows torch's own helpers
 (``clip_grad_norm_``, ``clip_grad_value_``, ``GradScaler.unscale_``), so results match the standard loop.
@@ -65,6 +66,7 @@ class GradPolicy:
         nonfinite: str,
         track_grad_norm: bool,
         grad_multiplier: float | torch.Tensor | None = None,
+        grad_divisor: int | None = None,
     ) -> None:
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}")
@@ -94,6 +96,10 @@ class GradPolicy:
         clip_global = max_grad_norm is not None and clip_mode != "per_parameter"
         self.track_norm = track_grad_norm or clip_global
         self.grad_multiplier = self.check_multiplier(grad_multiplier)
+        if grad_divisor is not None and (isinstance(grad_divisor, bool) or not isinstance(grad_divisor, int)
+                                         or grad_divisor < 1):
+            raise ValueError(f"grad_divisor must be an int >= 1 or None, got {grad_divisor!r}")
+        self.grad_divisor = grad_divisor
         self.hold = (max_grad_norm is not None and clip_mode == "exact") or (
             self.scaler is not None and overflow == "exact"
         )
@@ -126,7 +132,7 @@ class GradPolicy:
     @property
     def active(self) -> bool:
         """Whether a bucket's gradients go through :meth:`prepare` at all (else they are stepped as they are)."""
-        return self._transforms or self.grad_multiplier is not None
+        return self._transforms or self.grad_multiplier is not None or self.grad_divisor is not None
 
     # -- per training step --------------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -151,6 +157,10 @@ class GradPolicy:
             self._found_inf.add_(found)  # the scaler only needs "any"
             if self.overflow_mode == "per_bucket" and found.item():
                 ok = False
+        if self.grad_divisor is not None:
+            # grad.div_(n), the pipeline schedule's own mean: x * (1 / n) differs from x / n in the last bit
+            for g in grads:
+                g.div_(self.grad_divisor)
         if self.grad_multiplier is not None:
             _mul(grads, self.grad_multiplier)
         norms = None

@@ -2,8 +2,8 @@
 
 A schedule runs one backward per micro-batch on each stage; a stage's gradients accumulate over them and can be
 stepped only during its last one. :func:`pipeline_optimizers` builds one :class:`InBackwardOptimizer` per stage
-of this rank, gated on the schedule's own micro-batch count and carrying the schedule's ``1 / n`` gradient
-scaling, and refuses the schedules and options whose step could not equal ``schedule.step(); opt.step()``.
+of this rank, gated on the schedule's own micro-batch count and dividing the gradients by ``n`` as the schedule
+would, and refuses the schedules and options whose step could not equal ``schedule.step(); opt.step()``.
 """
 
 from __future__ import annotations
@@ -32,12 +32,11 @@ def pipeline_optimizers(
     Each optimizer accumulates the first ``n - 1`` micro-batch backwards of its stage (``n``: the schedule's
     number of micro-batches, read from the schedule) and steps each bucket in the ``n``-th, freeing its gradients
     as it goes. With the schedule's ``scale_grads=True`` (its default) the schedule would divide the accumulated
-    gradients by ``n`` after its last backward; they are stepped and gone by then, so the optimizer multiplies
-    them by ``1 / n`` before stepping instead (:attr:`~InBackwardOptimizer.grad_multiplier`). The result is
-    ``schedule.step(...)`` followed by ``opt.step(); opt.zero_grad()`` with the same optimizer: bitwise when
-    ``n`` is a power of two (``x * (1 / n)`` is ``x / n`` exactly), within one rounding of each gradient
-    element otherwise. To scale the gradients yourself (``set_grad_multiplier``, e.g. by a token count), build
-    the schedule with ``scale_grads=False``: with ``True``, a multiplier other than ``1 / n`` is refused.
+    gradients by ``n`` after its last backward; they are stepped and gone by then, so the optimizer divides each
+    bucket's gradients by ``n`` (``grad.div_(n)``, the schedule's own arithmetic) before stepping it instead. The
+    result is ``schedule.step(...)`` followed by ``opt.step(); opt.zero_grad()`` with the same optimizer,
+    bitwise for every ``n``. To scale the gradients yourself (``set_grad_multiplier``, e.g. by a token count),
+    build the schedule with ``scale_grads=False``: with ``True``, a multiplier is refused.
 
     Args:
         schedule: a ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` or ``ScheduleLoopedBFS``
@@ -92,7 +91,9 @@ def pipeline_optimizers(
         options = {"allow_local_steps": True, **kwargs}
         opt = InBackwardOptimizer(module, optimizer_class, accumulation_steps=n, **options)
         if scale and n > 1:
-            opt.set_grad_multiplier(1.0 / n)
+            # InBackwardOptimizer has no public divisor (only pipelining needs one): set it where
+            # set_grad_multiplier sets the multiplier, in the options a rebuilt policy (configure_clipping) reads
+            opt._policy_options["grad_divisor"] = opt._policy.grad_divisor = n
         opt.register_step_pre_hook(_Guard(schedule, stage, n, scale))
         optimizers.append(opt)
     return optimizers
@@ -116,13 +117,12 @@ class _Guard:
                 f" but its optimizers were built for {self.n}, {self.scale}: build them again with "
                 "pipeline_optimizers(schedule, ...)"
             )
-        # With scale_grads the schedule's mean is ours to apply, exactly; without it the multiplier is the user's.
-        expected = 1.0 / self.n if self.n > 1 else None
-        if self.scale and opt.grad_multiplier != expected:
+        # With scale_grads the schedule's mean is ours to apply (the divisor); without it the multiplier is the user's.
+        if self.scale and opt.grad_multiplier is not None:
             raise RuntimeError(
                 f"grad_multiplier is {opt.grad_multiplier!r} but the schedule (scale_grads=True, {self.n} "
-                f"micro-batches) needs {expected!r}: set_grad_multiplier replaced the schedule's 1/n. To scale the "
-                "gradients yourself (by a token count), build the schedule with scale_grads=False and "
+                "micro-batches) already scales the gradients, by dividing them by the micro-batch count. To scale "
+                "them yourself (by a token count), build the schedule with scale_grads=False and "
                 "pipeline_optimizers again, then set_grad_multiplier"
             )
         if self.stage.fwd_cache:

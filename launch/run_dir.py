@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import re
 import shutil
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ from .train_config import MODEL_SHAPE, PROCESS_OPTIONS, TrainConfig
 __all__ = ["Plan", "plan_run", "write_config"]
 
 log = logging.getLogger("train")
+_STAGE = re.compile(r"stage\d+")
 
 
 @dataclass
@@ -53,8 +55,11 @@ def _target(cfg: TrainConfig, manager: CheckpointManager) -> pathlib.Path | None
 def _changes(cfg: TrainConfig, path: pathlib.Path) -> list[str]:
     """The options that differ from those of the run that wrote ``path`` (its run directory's config.json, when the
     checkpoint is one of a run directory's); a LaunchError when one of them shapes the model."""
-    recorded = path.resolve().parent.parent / "config.json"
-    if path.resolve().parent.name != "checkpoints" or not recorded.is_file():
+    folder = path.resolve().parent
+    if _STAGE.fullmatch(folder.name):  # a pipeline stage's: RUN_DIR/checkpoints/stage{r}/step_N
+        folder = folder.parent
+    recorded = folder.parent / "config.json"
+    if folder.name != "checkpoints" or not recorded.is_file():
         return []  # a checkpoint from elsewhere: the load itself checks the names and shapes
     old: dict[str, Any] = json.loads(recorded.read_text())
     new = cfg.to_dict()
@@ -89,17 +94,21 @@ def _decide(cfg: TrainConfig, manager: CheckpointManager) -> tuple[Plan, list[pa
     return Plan(path, _changes(cfg, path)), later
 
 
-def plan_run(cfg: TrainConfig, rt: Runtime, manager: CheckpointManager) -> Plan:
-    """Decide on rank 0, delete what ``--overwrite`` allows, and return the same plan on every rank. Collective."""
+def plan_run(cfg: TrainConfig, rt: Runtime, manager: CheckpointManager, per_rank: bool = False) -> Plan:
+    """Decide on rank 0, delete what ``--overwrite`` allows, and return the same plan on every rank. Collective.
+
+    ``per_rank``: every rank has a manager of its own (a pipeline stage's, ``checkpoints/stage{rank}``); rank 0
+    decides from its own, and each rank resumes from, and deletes, the checkpoints of its own with the same names.
+    """
     outcome: Any
     if rt.is_main:
         try:
             plan, doomed = _decide(cfg, manager)
-            for p in doomed:
-                shutil.rmtree(p)
-            if doomed:
-                log.info("--overwrite: deleted checkpoints %s of %s", _step_list(doomed), manager.directory)
-            outcome = plan
+            if per_rank and plan.resume_from is not None and not _STAGE.fullmatch(plan.resume_from.parent.name):
+                raise LaunchError(f"--resume {cfg.resume}: a pipeline run resumes each stage from its own "
+                                  "checkpoint (RUN_DIR/checkpoints/stage{r}/step_N): give latest, a step number, "
+                                  "or a stage0/step_N path")
+            outcome = (plan, [p.name for p in doomed])
         except LaunchError as e:
             outcome = str(e)
     else:
@@ -107,7 +116,16 @@ def plan_run(cfg: TrainConfig, rt: Runtime, manager: CheckpointManager) -> Plan:
     outcome = rt.all_gather(outcome)[0]
     if isinstance(outcome, str):
         raise LaunchError(outcome)
-    return outcome
+    plan, doomed_names = outcome
+    if per_rank and plan.resume_from is not None:
+        plan.resume_from = plan.resume_from.parent.parent / manager.directory.name / plan.resume_from.name
+    if rt.is_main or per_rank:
+        doomed = [manager.directory / name for name in doomed_names if (manager.directory / name).exists()]
+        for p in doomed:
+            shutil.rmtree(p)
+        if doomed:
+            log.info("--overwrite: deleted checkpoints %s of %s", _step_list(doomed), manager.directory)
+    return plan
 
 
 def write_config(cfg: TrainConfig) -> None:

@@ -12,6 +12,7 @@ with one GPU per process when CUDA is present)::
 
     torchrun --standalone --nproc-per-node 2 -m launch.train --steps 50
     torchrun --standalone --nproc-per-node 2 -m launch.train --steps 50 --parallel ddp
+    torchrun --standalone --nproc-per-node 2 -m launch.train --steps 50 --parallel pp --tie-weights false
 
 Two machines (run the same command on both, HOST:PORT being the first machine's address and a free port;
 ``--rdzv-id`` names the job)::
@@ -30,6 +31,11 @@ Options that change the training loop:
 - ``--accumulation-steps K``: K micro-batches per step (``no_sync()`` under DDP, ``set_requires_gradient_sync``
   under FSDP2, ``accumulation_steps=K`` in one process). ``--batch-size`` is the global batch per step; it must
   divide by world size x K, and the batches are the same whatever the world size.
+- ``--parallel pp [--pp-stages S] [--microbatches M] [--pp-schedule 1f1b|gpipe]``: pipeline stages cut on block
+  boundaries, one per process, each stepped in its last micro-batch backward (``dist_optim.pipeline_optimizers``);
+  every stage sees the whole batch, split into M micro-batches. Needs ``--tie-weights false`` (embedding and head
+  on different ranks) and ``--clip-mode per_parameter`` when clipping; checkpoints go to
+  RUN_DIR/checkpoints/stage{r} and resume on the same split. ``--parallel pp+fsdp2`` is refused.
 - ``--max-grad-norm C [--clip-mode exact|per_parameter|previous_norm]``: clipping (docs/clipping.md); ``exact``
   holds the step's gradients until backward ends and so gives up the memory saving.
 - ``--checkpoint-every N`` and ``--resume latest`` (or a checkpoint path, or a step number): checkpoints go to
@@ -60,6 +66,7 @@ from dist_optim.checkpoint import CheckpointError, CheckpointManager
 
 from .compare import compare
 from .corpus import Corpus
+from .pipeline import check_pipeline, stage_group
 from .run_log import RunLog
 from .run_dir import plan_run, write_config
 from .runtime import LaunchError, Runtime, TermSignal, resolve_parallel, start, stop
@@ -76,8 +83,14 @@ class Diverged(RuntimeError):
 def train(cfg: TrainConfig, rt: Runtime, parallel: str, corpus: Corpus) -> None:
     """Train (or resume) the run in ``cfg.run_dir``; stops after the step all ranks agree on when SIGTERM arrives,
     with a checkpoint. Collective."""
-    checkpoints = CheckpointManager(pathlib.Path(cfg.run_dir) / "checkpoints", keep_last=cfg.keep_checkpoints)
-    plan = plan_run(cfg, rt, checkpoints)  # before anything in the run directory is written
+    directory = pathlib.Path(cfg.run_dir) / "checkpoints"
+    if parallel == "pp":
+        # each stage saves and loads its own part, over a group of its own rank: checkpoints/stage{r}/step_N
+        checkpoints = CheckpointManager(directory / f"stage{rt.rank}", keep_last=cfg.keep_checkpoints,
+                                        process_group=stage_group(rt))
+    else:
+        checkpoints = CheckpointManager(directory, keep_last=cfg.keep_checkpoints)
+    plan = plan_run(cfg, rt, checkpoints, per_rank=parallel == "pp")  # before anything in the run dir is written
     job = Job(cfg, rt, corpus, parallel, cfg.optimizer_mode)
     first = 0
     if cfg.resume is not None and plan.resume_from is None:
@@ -148,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger().setLevel(logging.WARNING)
     try:
         parallel = resolve_parallel(cfg.parallel, rt)
+        check_pipeline(cfg, rt, parallel)
         if cfg.compare and (cfg.resume or cfg.checkpoint_every or cfg.overwrite):
             raise LaunchError("--compare trains two jobs from scratch: drop --resume, --checkpoint-every and "
                               "--overwrite")

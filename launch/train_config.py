@@ -20,8 +20,8 @@ __all__ = ["MODEL_SHAPE", "PROCESS_OPTIONS", "TrainConfig", "parse_config"]
 # the options a checkpoint's tensors are shaped by: a resumed run cannot change them
 MODEL_SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "tie_weights")
 # options of one process run, not of the training: a resume may change them without notice
-PROCESS_OPTIONS = ("stop_after", "device", "threads", "parallel", "run_dir", "log_every", "checkpoint_every",
-                   "keep_checkpoints", "resume", "overwrite", "compare", "profile_step")
+PROCESS_OPTIONS = ("stop_after", "device", "threads", "parallel", "pp_stages", "run_dir", "log_every",
+                   "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "compare", "profile_step")
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -63,9 +63,17 @@ class TrainConfig:
                                ("in_backward", "standard"))
     bucket_cap_mb: float = _opt(4.0, "in-backward bucket size in MiB of gradients")
     # parallelism
-    parallel: str = _opt("auto", "wrapper: fsdp2 (fully_shard per block, then the root), ddp, none (one "
-                                 "process); auto = fsdp2 when the world size is > 1, else none",
-                         ("auto", "fsdp2", "ddp", "none"))
+    parallel: str = _opt("auto", "wrapper: fsdp2 (fully_shard per block, then the root), ddp, pp (pipeline "
+                                 "stages, one per process), none (one process); auto = fsdp2 when the world size is "
+                                 "> 1, else none. pp+fsdp2 is refused (docs/limitations.md)",
+                         ("auto", "fsdp2", "ddp", "pp", "pp+fsdp2", "none"))
+    pp_stages: int | None = _opt(None, "--parallel pp: pipeline stages, cut on block boundaries (the first embeds, "
+                                       "the last has the head and the loss); none = the world size, the only "
+                                       "value one stage per rank allows")
+    microbatches: int | None = _opt(None, "--parallel pp: micro-batches per step, the schedule's split of "
+                                          "--batch-size (none = 4)")
+    pp_schedule: str | None = _opt(None, "--parallel pp: the torch.distributed.pipelining schedule (none = 1f1b)",
+                                   ("1f1b", "gpipe"))
     device: str = _opt("auto", "auto = cuda:LOCAL_RANK (NCCL) when CUDA is present, else cpu (gloo)",
                        ("auto", "cpu", "cuda"))
     threads: int = _opt(0, "intra-op threads per process; 0 = the cores divided by the local processes")
@@ -110,6 +118,9 @@ class TrainConfig:
             (self.log_every >= 1, f"log_every must be >= 1, got {self.log_every!r}"),
             (self.checkpoint_every >= 0, f"checkpoint_every must be >= 0, got {self.checkpoint_every!r}"),
             (self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints!r}"),
+            (self.pp_stages is None or self.pp_stages >= 1, f"pp_stages must be >= 1, got {self.pp_stages!r}"),
+            (self.microbatches is None or self.microbatches >= 1,
+             f"microbatches must be >= 1, got {self.microbatches!r}"),
         ]
         for ok, rule in checks:
             if not ok:

@@ -19,6 +19,7 @@ import dist_optim
 
 from .corpus import VOCAB_SIZE, Corpus
 from .gpt import from_config, loss_fn
+from .pipeline import build_pipeline, run_schedule
 from .runtime import LaunchError, Runtime, sync_context, wrap
 from .train_config import TrainConfig
 
@@ -43,6 +44,13 @@ class StepResult:
     seconds: float
 
 
+def _across_stages(norm: torch.Tensor) -> torch.Tensor:
+    """The model's 2-norm from each stage's (a collective over the pipeline's ranks)."""
+    square = norm.detach().square()
+    torch.distributed.all_reduce(square)
+    return square.sqrt()
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -52,7 +60,7 @@ class Job:
 
     def __init__(self, cfg: TrainConfig, rt: Runtime, corpus: Corpus, parallel: str, mode: str) -> None:
         per_step = rt.world * cfg.accumulation_steps
-        if cfg.batch_size % per_step:
+        if parallel != "pp" and cfg.batch_size % per_step:
             raise LaunchError(
                 f"batch_size must be a multiple of world size x accumulation_steps = {rt.world} x "
                 f"{cfg.accumulation_steps}, got {cfg.batch_size}"
@@ -61,9 +69,20 @@ class Job:
         torch.manual_seed(cfg.seed)
         model = from_config(cfg.to_dict(), VOCAB_SIZE)
         self.n_params = sum(p.numel() for p in model.parameters())
-        self.model = wrap(model, parallel, rt)
+        # --parallel pp: every rank builds the whole model (the same initial weights) and keeps its stage
+        self.pipe = build_pipeline(model, cfg, rt) if parallel == "pp" else None
+        self.model = self.pipe.module if self.pipe is not None else wrap(model, parallel, rt)
         adamw = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "weight_decay": cfg.weight_decay}
-        if mode == "in_backward":
+        if mode == "in_backward" and self.pipe is not None:
+            clip = {"max_grad_norm": cfg.max_grad_norm, "clip_mode": cfg.clip_mode} if cfg.max_grad_norm else {}
+            try:
+                (self.opt,) = dist_optim.pipeline_optimizers(
+                    self.pipe.schedule, torch.optim.AdamW, bucket_cap_mb=cfg.bucket_cap_mb,
+                    track_grad_norm=cfg.track_grad_norm, **clip, **adamw,
+                )
+            except (ValueError, NotImplementedError) as e:
+                raise LaunchError(f"dist_optim refuses this setting: {e}") from e
+        elif mode == "in_backward":
             try:
                 self.opt = dist_optim.InBackwardOptimizer(
                     self.model, torch.optim.AdamW,
@@ -112,8 +131,15 @@ class Job:
         cfg = self.cfg
         t0 = time.perf_counter()
         lr = self.opt.param_groups[0]["lr"]
-        micro = self.corpus.micro_batches(step, cfg.batch_size, self.rt.rank, self.rt.world, cfg.accumulation_steps)
-        total = torch.zeros((), device=self.rt.device)
+        if self.pipe is not None:
+            # every stage sees the whole global batch: the first reads x, the last y, the schedule splits them
+            ((x, y),) = self.corpus.micro_batches(step, cfg.batch_size, 0, 1, 1)
+            total = run_schedule(self.pipe, x.to(self.rt.device), y.to(self.rt.device), self.rt.world - 1)
+            micro = []
+        else:
+            micro = self.corpus.micro_batches(step, cfg.batch_size, self.rt.rank, self.rt.world,
+                                              cfg.accumulation_steps)
+            total = torch.zeros((), device=self.rt.device)
         for j, (x, y) in enumerate(micro):
             x, y = x.to(self.rt.device), y.to(self.rt.device)
             with sync_context(self.model, self.parallel, j == len(micro) - 1):
@@ -126,8 +152,10 @@ class Job:
             self.opt.zero_grad(set_to_none=True)
         else:
             norm = self.opt.grad_norm
+        if norm is not None and self.pipe is not None:
+            norm = _across_stages(norm)
         self.sched.step()
-        loss_value = self.rt.mean(total).item()
+        loss_value = (total if self.pipe is not None else self.rt.mean(total)).item()
         return StepResult(
             step=step, loss=loss_value, lr=lr,
             grad_norm=None if norm is None else _full(norm).item(),

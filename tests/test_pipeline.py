@@ -4,7 +4,8 @@ micro-batch backward and ends bitwise where the same schedule followed by ``opt.
 
 Every scenario builds the same model twice on each of 2 gloo ranks, splits it into the same stages, trains one copy
 with a standard optimizer per stage and the other in backward (same kernel), and compares parameters and optimizer
-state with ``torch.equal``. Four micro-batches: the schedule's ``1 / 4`` scaling is exact, so bitwise holds.
+state with ``torch.equal``. The optimizer divides the gradients by the micro-batch count as the schedule does, so
+bitwise holds for any count (4 here, 3 and 5 in their own test).
 """
 
 from __future__ import annotations
@@ -171,16 +172,35 @@ def test_schedule_equals_standard_loop(ranks, schedule, opt_name, clip):
     ranks.run(2, _parity, schedule=schedule, opt_name=opt_name, clip=clip)
 
 
-def _uneven_micro_batches(ctx, schedule):
-    # 3 micro-batches: x * (1/3) is not always x / 3, so the last bit of a gradient may differ (one rounding)
-    want = train_standard(ctx, schedule, "SGD-momentum-foreach", "none", n=3)
-    got = train_in_backward(ctx, schedule, "SGD-momentum-foreach", "none", n=3)
-    assert_same(*got, *want, exact=False)
-    assert got[1][0].grad_multiplier == pytest.approx(1 / 3)
+def _uneven_micro_batches(ctx, schedule, n):
+    # n not a power of two: x * (1/n) is not always x / n; the optimizer divides by n as the schedule does
+    want = train_standard(ctx, schedule, "AdamW-fused", "none", n=n)
+    got = train_in_backward(ctx, schedule, "AdamW-fused", "none", n=n, bucket_cap_mb=1e-4)
+    assert_same(*got, *want)
+    assert got[1][0].grad_multiplier is None
 
 
-def test_three_micro_batches_within_one_rounding(ranks):
-    ranks.run(2, _uneven_micro_batches, schedule="1f1b")
+@pytest.mark.parametrize("n", [3, 5])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_any_micro_batch_count_bitwise(ranks, schedule, n):
+    ranks.run(2, _uneven_micro_batches, schedule=schedule, n=n)
+
+
+def _reconfigured(ctx):
+    # configure_clipping rebuilds the gradient policy: the schedule's division by n must survive it
+    want = train_standard(ctx, "1f1b", "AdamW-fused", "value", n=3)
+    cls, kw = OPTIMIZERS["AdamW-fused"]
+    modules, sched, first, last = build(ctx, "1f1b", 3)
+    opts = dist_optim.pipeline_optimizers(sched, cls, **kw)
+    for opt in opts:
+        opt.configure_clipping(max_grad_value=MAX_NORM)
+    for batch in _data(STEPS, 3):
+        run_step(sched, first, last, batch)
+    assert_same(modules, opts, *want)
+
+
+def test_division_survives_configure_clipping(ranks):
+    ranks.run(2, _reconfigured)
 
 
 def _sum_losses(ctx):
@@ -266,7 +286,7 @@ def _guard_multiplier(ctx):
     before = [p.detach().clone() for p in modules[0].parameters()]
     with pytest.raises(RuntimeError) as info:  # the schedule wraps the backward's error in its own
         run_step(sched, first, last, _data(1)[0])
-    assert "grad_multiplier is 0.5 but the schedule (scale_grads=True, 4 micro-batches) needs 0.25" in str(
+    assert "grad_multiplier is 0.5 but the schedule (scale_grads=True, 4 micro-batches) already scales" in str(
         info.value.__cause__), info.value.__cause__
     assert all(torch.equal(p, q) for p, q in zip(modules[0].parameters(), before))
 

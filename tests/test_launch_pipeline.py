@@ -1,0 +1,95 @@
+"""launch.train with ``--parallel pp``: the GPT cut into two pipeline stages on two torchrun gloo ranks, each stage
+stepped in its last micro-batch backward, checked against the standard loop on the same schedule and against an
+uninterrupted run after a stop and a resume; and the settings a pipeline run refuses."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+
+from launch import train
+from launch.gpt import GPT
+from launch.pipeline import GPTStage, check_pipeline, stage_blocks
+from launch.runtime import LaunchError, Runtime
+from launch.train_config import parse_config
+from test_launch import TINY, _losses, _train
+
+PP = ["--parallel", "pp", "--tie-weights", "false"]
+
+
+def _metrics(tmp: pathlib.Path, run: str, key: str) -> list:
+    return [json.loads(line)[key] for line in (tmp / run / "metrics.jsonl").read_text().splitlines()]
+
+
+# -- the split --------------------------------------------------------------------------------------------------
+def test_stages_cover_the_blocks_and_keep_the_models_names():
+    assert [stage_blocks(5, 2, s) for s in range(2)] == [(0, 3), (3, 5)]
+    assert [stage_blocks(4, 4, s) for s in range(4)] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    torch.manual_seed(0)
+    gpt = GPT(256, 16, 3, 2, 16, tie_weights=False)
+    stages = [GPTStage(gpt, *stage_blocks(3, 2, s), first=s == 0, last=s == 1) for s in range(2)]
+    names = [n for s in stages for n, _ in s.named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in gpt.named_parameters())  # each parameter on one stage, same name
+    idx = torch.randint(256, (2, 16))
+    assert torch.equal(stages[1](stages[0](idx)), gpt(idx))  # the stages in a row are the model
+
+
+# -- refused settings ---------------------------------------------------------------------------------------------
+def test_pp_with_fsdp2_is_refused_pointing_to_the_limitation(tmp_path, capsys):
+    assert train.main([*TINY, "--run-dir", str(tmp_path / "r"), "--parallel", "pp+fsdp2"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "--parallel pp+fsdp2 is refused: the schedule reduce-scatters" in err and "docs/limitations.md" in err
+
+
+def test_pipeline_options_without_pp_are_refused(tmp_path, capsys):
+    assert train.main([*TINY, "--run-dir", str(tmp_path / "r"), "--microbatches", "2", "--pp-schedule", "gpipe"]) == 2
+    err = capsys.readouterr().err
+    assert "--microbatches, --pp-schedule only apply to --parallel pp, and this run is --parallel none" in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    ([], "--parallel pp needs --tie-weights false"),
+    (["--tie-weights", "false", "--pp-stages", "4"], "--pp-stages must equal the number of processes (2)"),
+    (["--tie-weights", "false", "--n-layer", "1"], "--n-layer 1 gives fewer blocks than the 2 stages"),
+    (["--tie-weights", "false", "--accumulation-steps", "2"], "the schedule's micro-batches are the accumulation"),
+    (["--tie-weights", "false", "--microbatches", "3"], "batch_size must be a multiple of --microbatches 3"),
+    (["--tie-weights", "false", "--max-grad-norm", "1"], "--clip-mode exact with --parallel pp: the norm spans"),
+])
+def test_pipeline_settings_refused(argv, message):
+    cfg = parse_config([*TINY, "--parallel", "pp", *argv])
+    two_ranks = Runtime(rank=0, world=2, local_rank=0, device=torch.device("cpu"), distributed=True)
+    with pytest.raises(LaunchError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_pipeline(cfg, two_ranks, "pp")
+
+
+# -- two torchrun ranks, two stages -------------------------------------------------------------------------------
+def test_pp_1f1b_equals_standard_loop_and_resumes_bitwise(tmp_path):
+    opts = [*PP, "--microbatches", "4", "--max-grad-norm", "0.05", "--clip-mode", "per_parameter",
+            "--track-grad-norm"]
+    out = _train(tmp_path, "cmp", *opts, "--compare", nproc=2)
+    assert "losses max |diff| 0 (bitwise equal: True)" in out.stderr
+    report = json.loads((tmp_path / "cmp" / "compare" / "report.json").read_text())
+    assert report["parallel"] == "pp" and report["losses_bitwise_equal"]
+    full = report["losses"]["in_backward"]
+    assert len(full) == 6 and full == report["losses"]["standard"]
+    # stopped after step 2 with a checkpoint per stage, resumed: the uninterrupted run's losses
+    _train(tmp_path, "part", *opts, "--stop-after", "2", "--checkpoint-every", "3", nproc=2)
+    for stage in ("stage0", "stage1"):
+        assert (tmp_path / "part" / "checkpoints" / stage / "step_00000002" / "COMMITTED").is_file()
+    out = _train(tmp_path, "part", *opts, "--resume", "latest", nproc=2)
+    assert "resumed from" in out.stderr and "stage0/step_00000002" in out.stderr
+    assert _losses(tmp_path, "part") == full
+
+
+def test_pp_gpipe_in_backward_equals_optimizer_mode_standard(tmp_path):
+    # 3 micro-batches of 2 sequences: the optimizer divides by 3 as the schedule does (x * (1/3) would differ)
+    opts = [*PP, "--pp-schedule", "gpipe", "--batch-size", "6", "--microbatches", "3", "--track-grad-norm"]
+    _train(tmp_path, "inb", *opts, nproc=2)
+    _train(tmp_path, "std", *opts, "--optimizer-mode", "standard", nproc=2)
+    assert _losses(tmp_path, "inb") == _losses(tmp_path, "std")
+    norms = _metrics(tmp_path, "inb", "grad_norm")
+    assert norms == _metrics(tmp_path, "std", "grad_norm") and all(n > 0 for n in norms)  # the model's norm
