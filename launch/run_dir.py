@@ -94,21 +94,86 @@ def _decide(cfg: TrainConfig, manager: CheckpointManager) -> tuple[Plan, list[pa
     return Plan(path, _changes(cfg, path)), later
 
 
+def _held(cfg: TrainConfig, manager: CheckpointManager) -> tuple[list[int], bool | None]:
+    """A pipeline stage's report to rank 0: the steps its manager has committed, and (``--resume PATH``) whether
+    it holds its own copy of that step."""
+    steps = sorted(int(p.name.split("_")[1]) for p in manager.checkpoints())
+    if cfg.resume is None or cfg.resume == "latest" or cfg.resume.isdigit():
+        return steps, None
+    mine = pathlib.Path(cfg.resume).parent.parent / manager.directory.name / pathlib.Path(cfg.resume).name
+    return steps, (mine / "COMMITTED").is_file()
+
+
+def _decide_stages(cfg: TrainConfig, directory: pathlib.Path,
+                   held: list[tuple[list[int], bool | None]]) -> tuple[Plan, list[int]]:
+    """:func:`_decide` for a pipeline run, whose checkpoint of a step is one folder per stage
+    (``directory/stage{r}/step_N``): a step is resumable only when every stage committed it. ``held[r]``: stage r's
+    :func:`_held`. Returns (the plan, naming stage 0's folder, the steps every stage deletes first)."""
+    steps = [set(h[0]) for h in held]
+    every, some = set.intersection(*steps), set.union(*steps)
+    listing = "; ".join(f"stage{r}: steps {', '.join(map(str, sorted(s))) or 'none'}" for r, s in enumerate(steps))
+    if cfg.resume is None:
+        if some and not cfg.overwrite:
+            raise LaunchError(
+                f"{directory} holds the checkpoints of another run ({listing}); a fresh run would delete them: resume "
+                "it with --resume latest, train in another --run-dir, or pass --overwrite to delete them and start fresh")
+        return Plan(None), sorted(some)
+    if cfg.resume == "latest" and not some:
+        return Plan(None), []
+    if cfg.resume == "latest":
+        if not every:
+            raise LaunchError(f"--resume latest: no step was saved by every stage ({listing}): the job stopped while "
+                              "saving its first checkpoint; start fresh with --overwrite")
+        step = max(every)
+        path = CheckpointManager(directory / "stage0").path_for(step)
+    elif cfg.resume.isdigit():
+        step = int(cfg.resume)
+        path = CheckpointManager(directory / "stage0").path_for(step)
+    else:
+        path = pathlib.Path(cfg.resume)
+        if not (_STAGE.fullmatch(path.parent.name) and path.name.startswith("step_")):
+            raise LaunchError(f"--resume {cfg.resume}: a pipeline run resumes each stage from its own checkpoint "
+                              "(RUN_DIR/checkpoints/stage{r}/step_N): give latest, a step number, or a stage0/step_N "
+                              "path")
+        missing = [r for r, h in enumerate(held) if not h[1]]
+        if missing:
+            raise LaunchError(f"--resume {cfg.resume}: stage(s) {', '.join(map(str, missing))} have no committed "
+                              f"{path.name} beside it; every stage must have saved the step")
+        step = int(path.name.split("_")[1])
+        path = path.parent.parent / "stage0" / path.name
+    if cfg.resume.isdigit() and step not in every:
+        raise LaunchError(f"--resume {cfg.resume}: step {step} was not saved by every stage ({listing}); use "
+                          "--resume latest or a step all of them hold")
+    later = sorted(s for s in some if s > step) if path.parent.parent == directory else []
+    complete = [s for s in later if s in every]
+    if complete and not cfg.overwrite:
+        raise LaunchError(
+            f"--resume {cfg.resume}: {directory} holds later checkpoints (steps {', '.join(map(str, complete))}) that "
+            "this run would write over; resume the latest, or pass --overwrite to delete them")
+    unfinished = [s for s in later if s not in every]
+    if unfinished:  # a job killed between the stages' saves: no stage can resume from them, this run rewrites them
+        log.warning("steps %s were saved by some stages only (%s): deleted, resuming from step %d",
+                    ", ".join(map(str, unfinished)), listing, step)
+    return Plan(path, _changes(cfg, path)), later
+
+
 def plan_run(cfg: TrainConfig, rt: Runtime, manager: CheckpointManager, per_rank: bool = False) -> Plan:
     """Decide on rank 0, delete what ``--overwrite`` allows, and return the same plan on every rank. Collective.
 
     ``per_rank``: every rank has a manager of its own (a pipeline stage's, ``checkpoints/stage{rank}``); rank 0
-    decides from its own, and each rank resumes from, and deletes, the checkpoints of its own with the same names.
+    decides from what every stage holds, and each rank resumes from, and deletes, the checkpoints of its own with the
+    same step numbers.
     """
+    held = rt.all_gather(_held(cfg, manager)) if per_rank else None
     outcome: Any
     if rt.is_main:
         try:
-            plan, doomed = _decide(cfg, manager)
-            if per_rank and plan.resume_from is not None and not _STAGE.fullmatch(plan.resume_from.parent.name):
-                raise LaunchError(f"--resume {cfg.resume}: a pipeline run resumes each stage from its own "
-                                  "checkpoint (RUN_DIR/checkpoints/stage{r}/step_N): give latest, a step number, "
-                                  "or a stage0/step_N path")
-            outcome = (plan, [p.name for p in doomed])
+            if held is not None:
+                plan, steps = _decide_stages(cfg, manager.directory.parent, held)
+                outcome = (plan, [manager.path_for(s).name for s in steps])
+            else:
+                plan, doomed = _decide(cfg, manager)
+                outcome = (plan, [p.name for p in doomed])
         except LaunchError as e:
             outcome = str(e)
     else:
@@ -124,7 +189,7 @@ def plan_run(cfg: TrainConfig, rt: Runtime, manager: CheckpointManager, per_rank
         for p in doomed:
             shutil.rmtree(p)
         if doomed:
-            log.info("--overwrite: deleted checkpoints %s of %s", _step_list(doomed), manager.directory)
+            log.info("deleted checkpoints %s of %s before starting", _step_list(doomed), manager.directory)
     return plan
 
 

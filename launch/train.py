@@ -35,7 +35,7 @@ Options that change the training loop:
   boundaries, one per process, each stepped in its last micro-batch backward (``dist_optim.pipeline_optimizers``);
   every stage sees the whole batch, split into M micro-batches. Needs ``--tie-weights false`` (embedding and head
   on different ranks) and ``--clip-mode per_parameter`` when clipping; checkpoints go to
-  RUN_DIR/checkpoints/stage{r} and resume on the same split. ``--parallel pp+fsdp2`` is refused.
+  RUN_DIR/checkpoints/stage{r} and resume on the same split, from the newest step every stage saved. ``--parallel pp+fsdp2`` is refused.
 - ``--max-grad-norm C [--clip-mode exact|per_parameter|previous_norm]``: clipping (docs/clipping.md); ``exact``
   holds the step's gradients until backward ends and so gives up the memory saving.
 - ``--checkpoint-every N`` and ``--resume latest`` (or a checkpoint path, or a step number): checkpoints go to
@@ -85,9 +85,9 @@ def train(cfg: TrainConfig, rt: Runtime, parallel: str, corpus: Corpus) -> None:
     with a checkpoint. Collective."""
     directory = pathlib.Path(cfg.run_dir) / "checkpoints"
     if parallel == "pp":
-        # each stage saves and loads its own part, over a group of its own rank: checkpoints/stage{r}/step_N
-        checkpoints = CheckpointManager(directory / f"stage{rt.rank}", keep_last=cfg.keep_checkpoints,
-                                        process_group=stage_group(rt))
+        # each stage saves and loads its own part, over a group of its own rank: checkpoints/stage{r}/step_N; pruned
+        # below only once every stage has committed the step, so a kill between the stages' saves loses nothing
+        checkpoints = CheckpointManager(directory / f"stage{rt.rank}", process_group=stage_group(rt))
     else:
         checkpoints = CheckpointManager(directory, keep_last=cfg.keep_checkpoints)
     plan = plan_run(cfg, rt, checkpoints, per_rank=parallel == "pp")  # before anything in the run dir is written
@@ -129,6 +129,9 @@ def train(cfg: TrainConfig, rt: Runtime, parallel: str, corpus: Corpus) -> None:
                     checkpoints.save(step, model=job.model, optimizer=job.opt, schedulers=[job.sched],
                                      extra={"parallel": parallel, "optimizer_mode": cfg.optimizer_mode,
                                             **job.extra_state()})
+                    if parallel == "pp":
+                        rt.all_gather(step)  # every stage has committed this step
+                        checkpoints.prune(cfg.keep_checkpoints)
                 if stopping:
                     if rt.is_main:
                         log.warning("SIGTERM: stopped after step %d with a checkpoint; continue with --resume latest",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 from launch import train
 from launch.gpt import GPT
 from launch.pipeline import GPTStage, check_pipeline, stage_blocks
+from launch.run_dir import _decide_stages
 from launch.runtime import LaunchError, Runtime
 from launch.train_config import parse_config
 from test_launch import TINY, _losses, _train
@@ -77,12 +79,44 @@ def test_pp_1f1b_equals_standard_loop_and_resumes_bitwise(tmp_path):
     full = report["losses"]["in_backward"]
     assert len(full) == 6 and full == report["losses"]["standard"]
     # stopped after step 2 with a checkpoint per stage, resumed: the uninterrupted run's losses
-    _train(tmp_path, "part", *opts, "--stop-after", "2", "--checkpoint-every", "3", nproc=2)
-    for stage in ("stage0", "stage1"):
-        assert (tmp_path / "part" / "checkpoints" / stage / "step_00000002" / "COMMITTED").is_file()
+    _train(tmp_path, "part", *opts, "--stop-after", "2", "--checkpoint-every", "1", "--keep-checkpoints", "2",
+           nproc=2)
+    stages = [tmp_path / "part" / "checkpoints" / f"stage{r}" for r in range(2)]
+    for stage in stages:  # pruned to 2 once both stages had saved each step
+        assert sorted(p.name for p in stage.iterdir()) == ["step_00000001", "step_00000002"]
+    # a kill between the stages' saves of step 2: stage 0 committed it, stage 1 did not
+    shutil.rmtree(stages[1] / "step_00000002")
     out = _train(tmp_path, "part", *opts, "--resume", "latest", nproc=2)
-    assert "resumed from" in out.stderr and "stage0/step_00000002" in out.stderr
+    assert "steps 2 were saved by some stages only (stage0: steps 1, 2; stage1: steps 1): deleted" in out.stderr
+    assert "resumed from" in out.stderr and "stage0/step_00000001" in out.stderr
     assert _losses(tmp_path, "part") == full
+
+
+HELD = [([1, 2], None), ([1], None)]  # stage 1 was killed before committing step 2
+
+
+@pytest.mark.parametrize(("argv", "held", "message"), [
+    ([], HELD, r"holds the checkpoints of another run \(stage0: steps 1, 2; stage1: steps 1\)"),
+    (["--resume", "latest"], [([2], None), ([], None)], "no step was saved by every stage"),
+    (["--resume", "2"], HELD, "step 2 was not saved by every stage"),
+    (["--resume", "PATH"], [([1, 2], True), ([1], False)], r"stage\(s\) 1 have no committed step_00000002"),
+    (["--resume", "1"], [([1, 2], None), ([1, 2], None)], r"holds later checkpoints \(steps 2\)"),
+])
+def test_pipeline_resume_needs_a_step_every_stage_saved(tmp_path, argv, held, message):
+    directory = tmp_path / "r" / "checkpoints"
+    argv = [a.replace("PATH", str(directory / "stage0" / "step_00000002")) for a in argv]
+    cfg = parse_config([*TINY, *PP, "--run-dir", str(tmp_path / "r"), *argv])
+    with pytest.raises(LaunchError, match=message):
+        _decide_stages(cfg, directory, held)
+
+
+def test_pipeline_resume_latest_skips_a_step_one_stage_missed(tmp_path):
+    directory = tmp_path / "r" / "checkpoints"
+    cfg = parse_config([*TINY, *PP, "--run-dir", str(tmp_path / "r"), "--resume", "latest"])
+    plan, doomed = _decide_stages(cfg, directory, HELD)
+    assert plan.resume_from == directory / "stage0" / "step_00000001" and doomed == [2]
+    fresh = parse_config([*TINY, *PP, "--run-dir", str(tmp_path / "r"), "--overwrite"])
+    assert _decide_stages(fresh, directory, HELD) == (type(plan)(None), [1, 2])
 
 
 def test_pp_gpipe_in_backward_equals_optimizer_mode_standard(tmp_path):

@@ -92,6 +92,16 @@ class CheckpointManager:
         if self.keep_last is not None:
             _storage.prune(self.directory, self.keep_last)
 
+    def prune(self, keep_last: int) -> list[Path]:
+        """Delete all but the ``keep_last`` newest committed checkpoints now; returns the deleted paths. For a
+        checkpoint that spans several managers (one per pipeline stage): build them with ``keep_last=None``, and
+        prune each only once every one has committed the new step, so that a job killed between the stages' saves
+        still has a step that all of them hold. Call it on one rank of the manager's group."""
+        if not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(f"keep_last must be a positive int, got {keep_last!r}")
+        self.wait()
+        return _storage.prune(self.directory, keep_last)
+
     def load(self, which: str | int | Path = "latest", **objects: Any) -> LoadResult | None:
         """Load ``"latest"`` (``None`` when there is no committed checkpoint yet), a step number, or a path."""
         self.wait()
