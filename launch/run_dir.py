@@ -115,8 +115,9 @@ def _decide_stages(cfg: TrainConfig, directory: pathlib.Path,
     if cfg.resume is None:
         if some and not cfg.overwrite:
             raise LaunchError(
-                f"{directory} holds the checkpoints of another run ({listing}); a fresh run would delete them: resume "
-                "it with --resume latest, train in another --run-dir, or pass --overwrite to delete them and start fresh")
+                f"{directory} holds the checkpoints of another run ({listing}); a fresh run would delete them: "
+                "resume it with --resume latest, train in another --run-dir, or pass --overwrite to delete them and "
+                "start fresh")
         return Plan(None), sorted(some)
     if cfg.resume == "latest" and not some:
         return Plan(None), []

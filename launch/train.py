@@ -35,7 +35,8 @@ Options that change the training loop:
   boundaries, one per process, each stepped in its last micro-batch backward (``dist_optim.pipeline_optimizers``);
   every stage sees the whole batch, split into M micro-batches. Needs ``--tie-weights false`` (embedding and head
   on different ranks) and ``--clip-mode per_parameter`` when clipping; checkpoints go to
-  RUN_DIR/checkpoints/stage{r} and resume on the same split, from the newest step every stage saved. ``--parallel pp+fsdp2`` is refused.
+  RUN_DIR/checkpoints/stage{r} and resume on the same split, from the newest step every stage saved.
+  ``--parallel pp+fsdp2`` is refused.
 - ``--max-grad-norm C [--clip-mode exact|per_parameter|previous_norm]``: clipping (docs/clipping.md); ``exact``
   holds the step's gradients until backward ends and so gives up the memory saving.
 - ``--checkpoint-every N`` and ``--resume latest`` (or a checkpoint path, or a step number): checkpoints go to
