@@ -30,6 +30,7 @@ __all__: list[str] = []
 
 _task_id: Callable[[], int] = torch._C._current_graph_task_id
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+_NO_TASK = -2  # the task of no backward: _task_id() is -1 outside backward and >= 0 inside
 
 
 class Owner(Protocol):
@@ -133,7 +134,7 @@ class Engine:
         self.comm_key_of: dict[int, tuple[int, ...]] = {}  # param index -> the key of its current DDP bucket
         self.nbytes: list[int] = []  # per parameter: its (local) gradient's bytes
         self.handles: list[RemovableHandle] = []
-        self.backward = _Backward(-1, -1, False, None)
+        self.backward = _Backward(_NO_TASK, _NO_TASK, False, None)
         self.backward.ended = True
         self.incomplete = False  # a bucket was stepped and the end of that backward has not completed
         self.arrival_checked = False  # whether the gradients' producers were looked at (once, in a stepping backward)
@@ -219,9 +220,25 @@ class Engine:
         bw.live_bytes += sum(self.nbytes[i] for i, p in zip(b.indices, b.params) if p.grad is not None)
         self.settle(b, bw)
 
-    def _begin(self, tid: int, first: int | None) -> _Backward:
-        """A new backward, seen at the hook of parameter ``first`` (``None``: at a communication hook)."""
+    def outside_backward(self) -> _Window:
+        """A context in which gradient hooks that run outside any backward settle as one backward that begins and
+        ends with it: FSDP2 reduce-scatters by hand, after the last micro-batch backward, when a pipeline schedule
+        drives it (``PipelineStage.perform_reduce_grad``), and runs the sharded parameters' hooks there."""
+        return _Window(self)
+
+    def _begin(self, tid: int, first: int | None, window: bool = False) -> _Backward:
+        """A new backward, seen at the hook of parameter ``first`` (``None``: at a communication hook); ``window``:
+        begun by :meth:`outside_backward`, which ends it."""
         last = self.backward
+        if tid == -1 and not window:
+            name = self.owner.param_name(self.params[first]) if first is not None else "a bucket"
+            raise RuntimeError(
+                f"the gradient hook of {name} ran outside any backward (something reduced or set gradients by hand "
+                "and ran their hooks itself, as a pipeline schedule does for FSDP2 stages after its last backward), "
+                "where the step has no end of backward to wait for, so it would not be stepped. For pipeline "
+                "stages build the optimizers with dist_optim.pipeline_optimizers(schedule, ...); otherwise call "
+                "opt.step() after setting the gradients"
+            )
         if _compiled_autograd_on():
             # Refused before anything steps; the gradients it leaves are dropped by the next backward, as after
             # any backward that raised (``first``'s own is there already).
@@ -243,7 +260,8 @@ class Engine:
             if not self.arrival_checked and roots is not None:
                 self.arrival_checked = True
                 self._check_arrival(roots)
-        _queue_callback(lambda: self._end_of_backward(tid))
+        if not window:
+            _queue_callback(lambda: self._end_of_backward(tid))
         return bw
 
     def _recover(self, last: _Backward, first: int | None) -> None:
@@ -441,6 +459,8 @@ class Engine:
         bw = self.backward
         if tid != bw.task:
             _refuse_nested_backward()
+        if tid == -1:
+            bw.task = _NO_TASK  # a window ended: a hook outside backward after it is an error again
         if not bw.steps:
             bw.ended = True
             return
@@ -482,6 +502,26 @@ class Engine:
         for i in indices:
             parts.setdefault((self.group_of[i], i in self.sparse), []).append(self.params[i])
         return self.recipe.build([(gi, sparse, params) for (gi, sparse), params in parts.items()])
+
+
+class _Window:
+    """:meth:`Engine.outside_backward`: begins a backward on entry and ends it on a clean exit; after an error it
+    is left unended, like a backward that raised, and the next backward recovers from it."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def __enter__(self) -> None:
+        if _task_id() != -1:
+            raise RuntimeError("Engine.outside_backward() entered inside a backward")
+        self.engine._begin(-1, None, window=True)
+
+    def __exit__(self, kind: object, error: object, trace: object) -> None:
+        engine = self.engine
+        if kind is None:
+            engine._end_of_backward(-1)
+        else:
+            engine.backward.task = _NO_TASK
 
 
 def _computing_nodes(producers: dict[object, list[int]], parents: dict[object, list[object]]) -> dict[int, int]:

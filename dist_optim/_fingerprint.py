@@ -46,6 +46,13 @@ def options_of(opt: Any, accumulation_steps: int) -> dict[str, str]:
     return options
 
 
+def sharding_group(params: list[torch.Tensor]) -> Any:
+    """The process group across which the DTensor ``params`` are sharded: their 1-D mesh's (FSDP2 over a slice of
+    a larger mesh, as a pipeline stage of pipeline x FSDP2 is), else ``None`` (the default group)."""
+    mesh = next((p.device_mesh for p in params if hasattr(p, "device_mesh")), None)
+    return mesh.get_group() if mesh is not None and mesh.ndim == 1 else None
+
+
 def check_same_options(opt: Any, group: Any, accumulation_steps: int) -> None:
     """Raise on every rank if some option differs across the ranks of ``group`` (``None``: the default group).
 

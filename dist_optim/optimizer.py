@@ -24,7 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from dist_optim._ddp import DDPCommHook, check_ddp, ddp_managed
 from dist_optim._engine import Engine, compiled_autograd_message
-from dist_optim._fingerprint import check_same_options
+from dist_optim._fingerprint import check_same_options, sharding_group
 from dist_optim._frameworks import Watch
 from dist_optim._grad_policy import GradPolicy, StepStats
 from dist_optim._inputs import (
@@ -234,7 +234,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             super().__init__(groups, defaults)
             self._framework_watch.at_construction(self)
             if ddp is not None or any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
-                check_same_options(self, ddp.process_group if ddp is not None else None, accumulation_steps)
+                group = ddp.process_group if ddp is not None else sharding_group(
+                    [p for g in self.param_groups for p in g["params"]])
+                check_same_options(self, group, accumulation_steps)
             if reductions is not None:
                 reductions.attach(self._engine)
                 self._ddp_hook = reductions

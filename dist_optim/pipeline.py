@@ -38,6 +38,14 @@ def pipeline_optimizers(
     bitwise for every ``n``. To scale the gradients yourself (``set_grad_multiplier``, e.g. by a token count),
     build the schedule with ``scale_grads=False``: with ``True``, a multiplier is refused.
 
+    A stage ``fully_shard``-ed over its data-parallel ranks (pipeline x FSDP2, single-stage schedules) is
+    different: the schedule turns FSDP2's gradient sync off in every micro-batch backward and reduce-scatters after
+    the last one, outside any backward, from ``PipelineStage.perform_reduce_grad``, which runs the sharded
+    parameters' hooks. The optimizer wraps that method of the stage object so that each bucket steps there, as
+    its reduction lands, and the window ends before the schedule would divide the gradients. The unsharded
+    gradients accumulated over the micro-batches are FSDP2's and alive until then in both loops: the saving is
+    the sharded gradients, freed as they are stepped instead of kept until ``opt.step()``.
+
     Args:
         schedule: a ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` or ``ScheduleLoopedBFS``
             built over this rank's ``PipelineStage``\ s.
@@ -50,9 +58,10 @@ def pipeline_optimizers(
 
     Raises:
         NotImplementedError: a zero-bubble schedule or a stage with a ``dw_builder`` (the weights' gradients are
-            computed outside the hooks the step fires on); a DDP-wrapped or FSDP2-sharded stage (the schedule
-            reduces its gradients after the last backward, outside it); ``clip_mode="exact"`` or
-            ``"previous_norm"`` with ``max_grad_norm`` (both need the norm of every stage).
+            computed outside the hooks the step fires on); a DDP-wrapped stage (the schedule drives its reducer by
+            hand); an FSDP2 stage in a schedule with several stages per rank, or DTensor parameters without
+            ``fully_shard`` at the stage's root; ``clip_mode="exact"`` or ``"previous_norm"`` with
+            ``max_grad_norm`` (both need the norm of every stage).
         ValueError: ``accumulation_steps`` is given; ``schedule`` is not a pipelining schedule.
 
     Example:
@@ -70,6 +79,8 @@ def pipeline_optimizers(
     _check_full_backward(schedule, stages)
     n = int(schedule._n_microbatches)
     scale = bool(schedule.scale_grads)
+    from torch.distributed.fsdp import FSDPModule  # a schedule exists only where torch.distributed does
+
     optimizers = []
     for stage in stages:
         module = stage.submod
@@ -79,24 +90,60 @@ def pipeline_optimizers(
                 "drives by hand in the last micro-batch, around the communication hook this optimizer steps in; "
                 "use plain stages, or a standard optimizer stepped after schedule.step()"
             )
-        if any(is_dtensor(p) for p in module.parameters()):
+        sharded = isinstance(module, FSDPModule)
+        if not sharded and any(is_dtensor(p) for p in module.parameters()):
             raise NotImplementedError(
-                f"stage {stage.stage_index} holds DTensor parameters (fully_shard/FSDP2 or tensor parallel): the "
-                "schedule turns FSDP2's gradient sync off in every micro-batch backward and reduce-scatters only "
-                "after the last one, outside any backward (PipelineStage.perform_reduce_grad), where no in-backward "
-                "step can run; the stage's gradients would never be stepped in backward. Use plain stages, or a "
-                "standard optimizer stepped after schedule.step()"
+                f"stage {stage.stage_index} holds DTensor parameters but its module is not fully_shard-ed at its "
+                "root (tensor parallel, or fully_shard on submodules only): the schedule reduces the gradients of "
+                "an FSDP2 stage only through its root. fully_shard the stage module itself, or use plain stages"
             )
-        # A stage's parameters live on its rank alone: stepping them on the local gradient is the standard loop.
-        options = {"allow_local_steps": True, **kwargs}
-        opt = InBackwardOptimizer(module, optimizer_class, accumulation_steps=n, **options)
+        if sharded and len(stages) > 1:
+            raise NotImplementedError(
+                f"stage {stage.stage_index} is fully_shard-ed and {type(schedule).__name__} runs {len(stages)} "
+                "stages on this rank: pipeline x FSDP2 in backward is built and tested for single-stage schedules "
+                "(ScheduleGPipe, Schedule1F1B), where the schedule reduces each stage through perform_reduce_grad; "
+                "use one of them, or a standard optimizer stepped after schedule.step()"
+            )
+        if sharded:
+            # The schedule turns FSDP2's gradient sync off in every micro-batch backward, so the sharded parameters'
+            # hooks run once per schedule.step(), after the last backward, from perform_reduce_grad: each bucket
+            # steps there, as its reduce-scatter lands, in a window that ends when the reduction does.
+            opt = InBackwardOptimizer(module, optimizer_class, **kwargs)
+            _reduce_in_window(stage, opt)
+        else:
+            # A plain stage's parameters live on its rank alone: stepping them on the local gradient is the
+            # standard loop; its hooks run in every micro-batch backward, and the last one steps.
+            options = {"allow_local_steps": True, **kwargs}
+            opt = InBackwardOptimizer(module, optimizer_class, accumulation_steps=n, **options)
         if scale and n > 1:
             # InBackwardOptimizer has no public divisor (only pipelining needs one): set it where
             # set_grad_multiplier sets the multiplier, in the options a rebuilt policy (configure_clipping) reads
             opt._policy_options["grad_divisor"] = opt._policy.grad_divisor = n
-        opt.register_step_pre_hook(_Guard(schedule, stage, n, scale))
+        opt.register_step_pre_hook(_Guard(schedule, stage, n, scale, sharded))
         optimizers.append(opt)
     return optimizers
+
+
+def _reduce_in_window(stage: Any, opt: InBackwardOptimizer) -> None:
+    """Wrap this stage object's ``perform_reduce_grad`` (the schedule's call after the stage's last backward) so
+    that the hooks FSDP2 runs in it settle as one backward of ``opt``'s."""
+    reduce = stage.perform_reduce_grad
+    if getattr(reduce, "_in_backward_window", False):
+        raise ValueError(
+            f"stage {stage.stage_index} already has an in-backward optimizer from pipeline_optimizers: its "
+            "gradients can be consumed only once; build the optimizers once per schedule"
+        )
+
+    def perform_reduce_grad(grad_scale_factor: int) -> None:
+        # The window must end (settling the buckets whose last gradient came, or that were being learned) before
+        # the schedule's division of what is left: the stepped gradients were divided by the optimizer's divisor.
+        with opt._engine.outside_backward():
+            reduce(1)
+        if grad_scale_factor != 1:
+            stage.scale_grads(grad_scale_factor)  # the gradients not stepped in the window, as the schedule would
+
+    perform_reduce_grad._in_backward_window = True  # type: ignore[attr-defined]
+    stage.perform_reduce_grad = perform_reduce_grad
 
 
 class _Guard:
@@ -104,12 +151,12 @@ class _Guard:
     while forwards of the stage still wait for their backward (so not in its last micro-batch backward: a
     ``schedule.step()`` that raised left backwards counted)."""
 
-    def __init__(self, schedule: Any, stage: Any, n: int, scale: bool) -> None:
-        self.schedule, self.stage, self.n, self.scale = schedule, stage, n, scale
+    def __init__(self, schedule: Any, stage: Any, n: int, scale: bool, sharded: bool) -> None:
+        self.schedule, self.stage, self.n, self.scale, self.sharded = schedule, stage, n, scale, sharded
 
     def __call__(self, opt: InBackwardOptimizer, args: Any, kwargs: Any) -> None:
-        if torch._C._current_graph_task_id() == -1:
-            return  # opt.step() outside backward: a flush the user asked for
+        if not self.sharded and torch._C._current_graph_task_id() == -1:
+            return  # opt.step() outside backward: a flush the user asked for (an FSDP2 stage steps out there)
         schedule = self.schedule
         if (schedule._n_microbatches, bool(schedule.scale_grads)) != (self.n, self.scale):
             raise RuntimeError(
