@@ -3,13 +3,15 @@ NCCL with CUDA).
 
     python -m benchmarks.bench_pipeline            # about a minute on 2 cores; spawns its ranks itself
     python -m benchmarks.bench_pipeline --quick    # seconds
+    python -m benchmarks.bench_pipeline --dp 2     # pipeline x FSDP2: each stage fully_shard-ed over 2 ranks (4)
 
 Every rank builds the same many_small (default 16 x 512 and its final Linear) and keeps its half as one
 ``PipelineStage`` (rank 0: the first 8 blocks; rank 1: the other 8 and the final Linear); a unit is one
 ``schedule.step`` of ``--microbatches`` micro-batches of ``--batch`` rows (MSE loss). Variants per schedule (GPipe,
 1F1B), AdamW(fused=True): ``{schedule}_std`` (``schedule.step(); opt.step(); opt.zero_grad()``) and
 ``{schedule}_inb`` (``dist_optim.pipeline_optimizers(schedule, AdamW)``), which must end bitwise equal to it on
-every rank. Per rank: the peak (heap_shim.c's tensor bytes of every thread where it builds, else the profiler's),
+every rank. With ``--dp D`` each stage's blocks and module are ``fully_shard``-ed over D ranks (``2 * D`` ranks,
+stage-major, as ``init_device_mesh`` lays them out), and gradient bytes are the rank's shards. Per rank: the peak (heap_shim.c's tensor bytes of every thread where it builds, else the profiler's),
 the paired step-time ratio, the stage's gradient bytes and its largest bucket: the saving one could hope for is
 the gradient bytes minus one bucket, the saving measured is the difference of the peaks.
 """
@@ -42,11 +44,22 @@ def variant(name: str, base: nn.Sequential, batch: tuple[torch.Tensor, torch.Ten
 
     schedule, loop = name.rsplit("_", 1)
     device = batch[0].device
-    module = stage_module(base, rank, args.world).to(device)
-    stage = PipelineStage(module, rank, args.world, device)
+    stages = args.world // args.dp
+    pp_rank, group = rank // args.dp, None
+    module = stage_module(base, pp_rank, stages).to(device)
+    if args.dp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (stages, args.dp), mesh_dim_names=("pp", "dp"))
+        for block in module:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(module, mesh=mesh["dp"])
+        group = mesh["pp"].get_group()
+    stage = PipelineStage(module, pp_rank, stages, device, group=group)
     cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
     sched = cls(stage, n_microbatches=args.microbatches, loss_fn=nn.functional.mse_loss)
-    first, last = rank == 0, rank == args.world - 1
+    first, last = pp_rank == 0, pp_rank == stages - 1
     params = list(module.parameters())
 
     def run() -> None:
@@ -103,20 +116,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--bucket-cap-mb", type=float, default=None, help="the engine's bucket cap (default 1)")
     p.add_argument("--memory-iters", type=int, default=3, help="iterations of the all-thread peak, the median kept")
     p.add_argument("--no-heap-shim", action="store_true", help="peaks from the profiler alone (profiled thread)")
-    common = {"threads": 1, "world": 2, "microbatches": 4}
+    p.add_argument("--dp", type=int, default=1, help="fully_shard each stage over this many ranks (default 1: none)")
+    common = {"threads": 1, "microbatches": 4}
     args = h.parse(p, argv, quick={**common, "repeats": 2, "iters": 1, "warmup": 2, "width": 64, "depth": 4,
                                    "bucket_cap_mb": 0.01},
                    full={**common, "repeats": 15, "iters": 2, "warmup": 3, "width": 512, "depth": 16,
                          "bucket_cap_mb": 1.0})
-    if args.depth % args.world:
-        p.error(f"--depth must be a multiple of the {args.world} stages, got {args.depth}")
+    if args.dp < 1:
+        p.error(f"--dp must be >= 1, got {args.dp}")
+    args.world = 2 * args.dp  # two stages
+    if args.depth % 2:
+        p.error(f"--depth must be a multiple of the 2 stages, got {args.depth}")
     run = h.Run("bench_pipeline", args)
     ranks, no_shim = h.spawn(run_rank, args, args.world, heap_shim=not args.no_heap_shim)
     if no_shim and args.device == "cpu":
         print(f"heap shim not preloaded ({no_shim}): peaks from the profiler, which misses gloo's threads")
     summary = summarize(ranks)
     for r in ranks:
-        print(f"\n=== stage {r['rank']}: peak = {'the profiler' if no_shim else 'tensor bytes of every thread'}, "
+        print(f"\n=== rank {r['rank']} (stage {r['rank'] // args.dp}): peak = {'the profiler' if no_shim else 'tensor bytes of every thread'}, "
               f"gradients {h.mib(r['grad_bytes'])} MiB")
         h.print_table(r)
     print("\n=== per stage: in backward / standard on the same schedule   time (paired)  peak MiB       "

@@ -98,8 +98,8 @@ def assert_same_state(sd_a: dict, sd_b: dict) -> None:
             assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, f"state[{k}][{key!r}] differs"
 
 
-def run_benchmark_quick(name: str, tmp_path) -> tuple[dict, str]:
-    """Run ``python -m benchmarks.<name> --quick`` from the repository root in a subprocess; return its JSON
+def run_benchmark_quick(name: str, tmp_path, *args: str) -> tuple[dict, str]:
+    """Run ``python -m benchmarks.<name> --quick [args]`` from the repository root in a subprocess; return its JSON
     result and its stderr."""
     import json
     import pathlib
@@ -108,7 +108,7 @@ def run_benchmark_quick(name: str, tmp_path) -> tuple[dict, str]:
 
     out = tmp_path / f"{name}.json"
     root = pathlib.Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--quick", "--out", str(out)], cwd=root,
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--quick", "--out", str(out), *args], cwd=root,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stderr

@@ -14,13 +14,15 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch buil
 COUNTERPARTS = {"gpipe_inb": "gpipe_std", "1f1b_inb": "1f1b_std"}
 
 
-def test_bench_pipeline_quick_in_backward_equals_the_standard_loop_per_stage(tmp_path):
-    result, stderr = run_benchmark_quick("bench_pipeline", tmp_path)
+@pytest.mark.parametrize("dp", [1, 2])
+def test_bench_pipeline_quick_in_backward_equals_the_standard_loop_per_stage(tmp_path, dp):
+    # dp 2: each of the 2 stages fully_shard-ed over 2 ranks (pipeline x FSDP2, 4 ranks)
+    result, stderr = run_benchmark_quick("bench_pipeline", tmp_path, "--dp", str(dp))
     assert "profiler_start" not in stderr
-    assert result["mode"] == "quick" and result["config"]["world"] == 2
+    assert result["mode"] == "quick" and result["config"]["world"] == 2 * dp
     reps = result["config"]["repeats"]
     ranks = result["per_rank"]
-    assert [r["rank"] for r in ranks] == [0, 1]
+    assert [r["rank"] for r in ranks] == list(range(2 * dp))
     for r in ranks:
         variants = r["variants"]
         assert set(variants) == set(COUNTERPARTS) | set(COUNTERPARTS.values())
@@ -37,6 +39,6 @@ def test_bench_pipeline_quick_in_backward_equals_the_standard_loop_per_stage(tmp
             assert len(r["bucket_bytes"][name]) > 1 and sum(r["bucket_bytes"][name]) == r["grad_bytes"]
     for key, s in result["summary"].items():
         assert s["params_bitwise_equal"] and s["state_bitwise_equal"], key
-        assert len(s["time_ratio_paired"]) == 2 and all(x > 0 for x in s["time_ratio_paired"]), key
+        assert len(s["time_ratio_paired"]) == 2 * dp and all(x > 0 for x in s["time_ratio_paired"]), key
         assert all(a > 0 and b > 0 for a, b in s["peak_bytes"]), key
         assert all(0 < h < g for h, g in zip(s["hoped_saving_bytes"], s["grad_bytes"])), key

@@ -230,6 +230,25 @@ def test_remap_renames_duplicates_and_starts_new_names_fresh(tmp_path):
     assert torch.equal(new.gate.weight, gate) and new.gate.weight not in opt2.state
 
 
+def test_fresh_tensors_keep_their_own_optimizer_state(tmp_path):
+    # a checkpoint of part of the model (a pipeline stage's) loaded with strict=False: the other tensors keep their
+    # values and their optimizer state, so several parts can be loaded one after the other
+    torch.manual_seed(0)
+    whole = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = dist_optim.InBackwardOptimizer(whole, torch.optim.AdamW, **ADAMW, fused=True)
+    part = nn.Sequential(copy.deepcopy(whole[0]))
+    part_opt = dist_optim.InBackwardOptimizer(part, torch.optim.AdamW, **ADAMW, fused=True)
+    for _ in range(2):
+        whole(torch.randn(3, 4)).sum().backward()
+        part(torch.randn(3, 4)).sum().backward()
+    save(tmp_path / "part", model=part, optimizer=part_opt)
+    kept = {k: v.clone() for k, v in opt.state[whole[1].weight].items()}
+    result = load(tmp_path / "part", model=whole, optimizer=opt, strict=False)
+    assert result.fresh == ["1.bias", "1.weight"]
+    assert all(torch.equal(v, opt.state[whole[1].weight][k]) for k, v in kept.items()) and len(kept) == 3
+    assert torch.equal(opt.state[whole[0].weight]["exp_avg"], part_opt.state[part[0].weight]["exp_avg"])
+
+
 def test_strict_mismatch_lists_missing_and_unexpected_with_closest_names(tmp_path):
     _trained(tmp_path)
     new = Renamed()

@@ -383,6 +383,76 @@ def test_checkpoint_per_stage_resumes_bitwise(ranks, schedule):
     ranks.run(2, _resume, schedule=schedule, opt_name="AdamW-fused")
 
 
+class _NamedStage(nn.Module):
+    """Layers ``lo`` to ``hi - 1`` under the names the whole model gives them (``layers.2.0.weight``), as a
+    pipeline split that keeps names does (the trainer's GPTStage): its checkpoint loads into the unsplit model."""
+
+    def __init__(self, layers: list[nn.Module], lo: int, hi: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): layers[i] for i in range(lo, hi)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+
+def _named_state(module, opt) -> dict:
+    return {n: (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+            for n, p in module.named_parameters()}
+
+
+def _resume_on_one_process(ctx):
+    cls, kw = OPTIMIZERS["AdamW-fused"]
+    group, folder, data = _stage_groups(ctx), _shared_dir(ctx), _data(4)
+    module = _NamedStage(_layers(), 2 * ctx.rank, 2 * ctx.rank + 2)
+    stage = PipelineStage(module, ctx.rank, 2, torch.device("cpu"))
+    sched = Schedule1F1B(stage, n_microbatches=MICRO_BATCHES, loss_fn=_loss)
+    (opt,) = dist_optim.pipeline_optimizers(sched, cls, **kw)
+    for batch in data[:2]:
+        run_step(sched, ctx.rank == 0, ctx.rank == 1, batch)
+    dist_optim.checkpoint.save(f"{folder}/stage{ctx.rank}", model=module, optimizer=opt, step=2, process_group=group)
+    saved = [None, None]
+    dist.all_gather_object(saved, _named_state(module, opt))
+    for batch in data[2:]:
+        run_step(sched, ctx.rank == 0, ctx.rank == 1, batch)
+    final = [None, None]
+    dist.all_gather_object(final, {n: p.detach().clone() for n, p in module.named_parameters()})
+    if ctx.rank == 0:
+        # a new job on one process: the whole model, other initial values, both stages' checkpoints loaded into it
+        whole = _NamedStage(_layers(seed=7), 0, N_LAYERS)
+        one = dist_optim.InBackwardOptimizer(whole, cls, **kw, accumulation_steps=MICRO_BATCHES,
+                                             allow_local_steps=True)  # the 2-rank group is still up: opt out of it
+        for r in range(2):
+            result = dist_optim.checkpoint.load(f"{folder}/stage{r}", model=whole, optimizer=one, strict=False,
+                                                process_group=group)
+            assert result.step == 2 and len(result.fresh) == 4  # the other stage's tensors
+        got = _named_state(whole, one)
+        assert sorted(got) == sorted({**saved[0], **saved[1]})
+        for name, (p, state) in {**saved[0], **saved[1]}.items():
+            assert torch.equal(got[name][0], p), name  # bitwise what each stage saved
+            assert state.keys() == got[name][1].keys(), (name, state.keys(), got[name][1].keys())
+            for k, v in state.items():
+                assert torch.equal(v, got[name][1][k]), (name, k, v, got[name][1][k])
+        # and it trains on: the schedule divides the summed micro-batch gradients by n, one process the losses
+        for x, y in data[2:]:
+            for xm, ym in zip(x.chunk(MICRO_BATCHES), y.chunk(MICRO_BATCHES)):
+                (_loss(whole(xm), ym) / MICRO_BATCHES).backward()
+        want = {**final[0], **final[1]}
+        for n, p in whole.named_parameters():
+            torch.testing.assert_close(p.detach(), want[n], rtol=1e-5, atol=1e-6, msg=n)
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+    dist.barrier()
+
+
+def test_stage_checkpoints_resume_on_one_process(ranks):
+    # where the split keeps the whole model's names, each stage's checkpoint loads into the unsplit model (strict=False
+    # for the other stage's tensors): bitwise what was saved, then within 1e-5 of the pipeline (x / n against grad / n)
+    ranks.run(2, _resume_on_one_process)
+
+
 # -- pipeline x FSDP2: 2 stages, each fully_shard-ed over 2 ranks, on 4 ranks -----------------------------------------
 def _pp_dp_mesh(ctx):
     from torch.distributed.device_mesh import init_device_mesh
