@@ -115,17 +115,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="the engine's cap under FSDP2 (default: its own, DEFAULT_BUCKET_CAP_MB)")
     p.add_argument("--ddp-bucket-cap-mb", type=float, default=None, help="DDP's bucket_cap_mb (default 1)")
-    p.add_argument("--memory-iters", type=int, default=3, help="iterations of the all-thread peak, the median kept")
-    p.add_argument("--no-heap-shim", action="store_true", help="peaks from the profiler alone (profiled thread)")
+    h.add_rank_memory_options(p)
     common = {"threads": 1, "world": 2}
     args = h.parse(p, argv, quick={**common, "repeats": 2, "iters": 1, "warmup": 2, "width": 128, "depth": 8,
                                    "ddp_bucket_cap_mb": 0.1},
                    full={**common, "repeats": 25, "iters": 3, "warmup": 3, "width": 512, "depth": 16,
                          "ddp_bucket_cap_mb": 1.0})
     run = h.Run("bench_distributed", args)
-    ranks, no_shim = h.spawn(run_rank, args, args.world, heap_shim=not args.no_heap_shim)
-    if no_shim and args.device == "cpu":
-        print(f"heap shim not preloaded ({no_shim}): peaks from the profiler, which misses gloo's threads")
+    ranks, no_shim = h.spawn_ranks(run_rank, args)
     summary = summarize(ranks)
     for r in ranks:
         print(f"\n=== rank {r['rank']}: peak = {'the profiler' if no_shim else 'tensor bytes of every thread'}")

@@ -11,9 +11,10 @@ Every rank builds the same many_small (default 16 x 512 and its final Linear) an
 1F1B), AdamW(fused=True): ``{schedule}_std`` (``schedule.step(); opt.step(); opt.zero_grad()``) and
 ``{schedule}_inb`` (``dist_optim.pipeline_optimizers(schedule, AdamW)``), which must end bitwise equal to it on
 every rank. With ``--dp D`` each stage's blocks and module are ``fully_shard``-ed over D ranks (``2 * D`` ranks,
-stage-major, as ``init_device_mesh`` lays them out), and gradient bytes are the rank's shards. Per rank: the peak (heap_shim.c's tensor bytes of every thread where it builds, else the profiler's),
-the paired step-time ratio, the stage's gradient bytes and its largest bucket: the saving one could hope for is
-the gradient bytes minus one bucket, the saving measured is the difference of the peaks.
+stage-major, as ``init_device_mesh`` lays them out), and gradient bytes are the rank's shards. Per rank: the
+peak (heap_shim.c's tensor bytes of every thread where it builds, else the profiler's), the paired step-time
+ratio, the stage's gradient bytes and its largest bucket: the saving one could hope for is the gradient bytes
+minus one bucket, the saving measured is the difference of the peaks.
 """
 
 from __future__ import annotations
@@ -114,8 +115,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--depth", type=int, default=None, help="many_small blocks, split over the stages (default 16)")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches per schedule step (default 4)")
     p.add_argument("--bucket-cap-mb", type=float, default=None, help="the engine's bucket cap (default 1)")
-    p.add_argument("--memory-iters", type=int, default=3, help="iterations of the all-thread peak, the median kept")
-    p.add_argument("--no-heap-shim", action="store_true", help="peaks from the profiler alone (profiled thread)")
+    h.add_rank_memory_options(p)
     p.add_argument("--dp", type=int, default=1, help="fully_shard each stage over this many ranks (default 1: none)")
     common = {"threads": 1, "microbatches": 4}
     args = h.parse(p, argv, quick={**common, "repeats": 2, "iters": 1, "warmup": 2, "width": 64, "depth": 4,
@@ -128,13 +128,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.depth % 2:
         p.error(f"--depth must be a multiple of the 2 stages, got {args.depth}")
     run = h.Run("bench_pipeline", args)
-    ranks, no_shim = h.spawn(run_rank, args, args.world, heap_shim=not args.no_heap_shim)
-    if no_shim and args.device == "cpu":
-        print(f"heap shim not preloaded ({no_shim}): peaks from the profiler, which misses gloo's threads")
+    ranks, no_shim = h.spawn_ranks(run_rank, args)
     summary = summarize(ranks)
     for r in ranks:
-        print(f"\n=== rank {r['rank']} (stage {r['rank'] // args.dp}): peak = {'the profiler' if no_shim else 'tensor bytes of every thread'}, "
-              f"gradients {h.mib(r['grad_bytes'])} MiB")
+        peak = "the profiler" if no_shim else "tensor bytes of every thread"
+        print(f"\n=== rank {r['rank']} (stage {r['rank'] // args.dp}): peak = {peak}, gradients "
+              f"{h.mib(r['grad_bytes'])} MiB")
         h.print_table(r)
     print("\n=== per stage: in backward / standard on the same schedule   time (paired)  peak MiB       "
           "saved / hoped MiB")

@@ -36,9 +36,9 @@ from torch.profiler import ProfilerActivity, profile
 
 import dist_optim
 
-__all__ = ["adamw", "agreement", "allocator_peak", "bucket_bytes", "device_of", "few_large", "fully_shard_blocks",
-           "in_backward", "local", "many_small", "measure", "mib", "models", "nbytes", "parse", "parser", "print_table",
-           "quartiles", "ratio", "Run", "spawn", "standard", "time_interleaved", "unit_peak", "Variant"]
+__all__ = ["add_rank_memory_options", "adamw", "agreement", "allocator_peak", "bucket_bytes", "device_of",
+           "few_large", "fully_shard_blocks", "in_backward", "local", "many_small", "measure", "mib", "models", "nbytes", "parse", "parser", "print_table",
+           "quartiles", "ratio", "Run", "spawn", "spawn_ranks", "standard", "time_interleaved", "unit_peak", "Variant"]
 
 LR, WEIGHT_DECAY, MiB = 1e-3, 0.01, 2**20
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -489,6 +489,22 @@ def _rank_main(rank: int, fn: Callable[[int, argparse.Namespace], dict[str, Any]
         json.dump(result, f)
     if "error" in result:
         raise SystemExit(1)
+
+
+def add_rank_memory_options(p: argparse.ArgumentParser) -> None:
+    """The options of the benchmarks that spawn ranks and take every thread's peak (:func:`spawn_ranks`)."""
+    p.add_argument("--memory-iters", type=int, default=3, help="iterations of the all-thread peak, the median kept")
+    p.add_argument("--no-heap-shim", action="store_true", help="peaks from the profiler alone (profiled thread)")
+
+
+def spawn_ranks(fn: Callable[[int, argparse.Namespace], dict[str, Any]], args: argparse.Namespace
+                ) -> tuple[list[dict[str, Any]], str | None]:
+    """:func:`spawn` on ``args.world`` ranks with the heap shim unless ``--no-heap-shim``, saying so when the peaks
+    fall back to the profiler."""
+    ranks, no_shim = spawn(fn, args, args.world, heap_shim=not args.no_heap_shim)
+    if no_shim and args.device == "cpu":
+        print(f"heap shim not preloaded ({no_shim}): peaks from the profiler, which misses gloo's threads")
+    return ranks, no_shim
 
 
 def spawn(fn: Callable[[int, argparse.Namespace], dict[str, Any]], args: argparse.Namespace, world: int = 2,
