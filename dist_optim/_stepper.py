@@ -123,8 +123,75 @@ class Recipe:
                 for ig, (gi, _, _), k in zip(optimizer.param_groups, cls_parts, fixed)
             ]
             step = unwrapped_step(cls)
-            inners.append(InnerOptimizer(optimizer, step if shards is None else shards.stepper(step, state), links))
+            if shards is not None:
+                step = shards.stepper(step, state)
+            elif cls in _FUSED_ADAM and all(k.get("fused") or g.get("fused") for k, g in zip(
+                    fixed, (groups[gi] for gi, _, _ in cls_parts))) and _one_kind(params):
+                step = FusedAdamStep(step, cls is torch.optim.AdamW)
+            inners.append(InnerOptimizer(optimizer, step, links))
         return inners
+
+
+# -- Adam and AdamW, fused: the kernel without the per-tensor bookkeeping ------------------------------------------
+_FUSED_ADAM = (torch.optim.Adam, torch.optim.AdamW)  # exactly these classes: a subclass may step otherwise
+
+
+def _one_kind(params: list[torch.Tensor]) -> bool:
+    """One device and dtype, real: torch would make one kernel call for them, as :class:`FusedAdamStep` does."""
+    first = params[0]
+    return not first.is_complex() and all(p.device == first.device and p.dtype == first.dtype for p in params)
+
+
+class FusedAdamStep:
+    """The step of an inner ``Adam``/``AdamW`` with ``fused=True``: torch's fused kernel called on the bucket's
+    tensors with the arguments ``torch.optim`` passes it, skipping the Python work torch does per tensor before the
+    call (``_init_group``: about as much time per tensor as the kernel on small tensors, and the standard loop pays
+    it once per step too). The state is read anew each step. Anything this does not cover (a first step, which
+    creates the state; a tensor ``lr`` or betas; ``differentiable``; a GradScaler's ``grad_scale`` on the
+    optimizer; an option this torch does not know) takes the optimizer's own step."""
+
+    # the options whose meaning this step knows; a torch with more takes its own step
+    KNOWN = frozenset({"lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
+                       "differentiable", "fused", "decoupled_weight_decay"})
+
+    def __init__(self, step: Callable[[torch.optim.Optimizer], Any], decoupled: bool) -> None:
+        self.step = step
+        self.decoupled = decoupled
+        self.known: bool | None = None  # whether the optimizer's options are all in KNOWN (checked once)
+
+    def __call__(self, opt: torch.optim.Optimizer) -> Any:
+        if self.known is None:
+            self.known = set(opt.defaults) <= self.KNOWN
+        if not self.known:
+            return self.step(opt)
+        calls = []
+        state = opt.state
+        for g in opt.param_groups:
+            lr, (beta1, beta2) = g["lr"], g["betas"]
+            if (isinstance(lr, torch.Tensor) or isinstance(beta1, torch.Tensor) or isinstance(beta2, torch.Tensor)
+                    or g["differentiable"] or not g["fused"]
+                    or g.get("decoupled_weight_decay", self.decoupled) != self.decoupled):
+                return self.step(opt)
+            params = [p for p in g["params"] if p.grad is not None]
+            states = [state.get(p) for p in params]
+            if not all(states) or any(p.grad.is_sparse for p in params):
+                return self.step(opt)  # the first step creates the state; sparse gradients: torch's error
+            maxes = [s["max_exp_avg_sq"] for s in states] if g["amsgrad"] else []
+            calls.append((g, params, states, maxes, beta1, beta2))
+        if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
+            return self.step(opt)
+        kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+        with torch.no_grad():
+            for g, params, states, maxes, beta1, beta2 in calls:
+                if not params:
+                    continue
+                steps = [s["step"] for s in states]
+                torch._foreach_add_(steps, 1)
+                kernel(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                       [s["exp_avg_sq"] for s in states], maxes, steps, amsgrad=g["amsgrad"], lr=g["lr"],
+                       beta1=beta1, beta2=beta2, weight_decay=g["weight_decay"], eps=g["eps"],
+                       maximize=g["maximize"], grad_scale=None, found_inf=None)
+        return None
 
 
 # -- the kernel ---------------------------------------------------------------------------------------------------
