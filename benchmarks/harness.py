@@ -377,14 +377,15 @@ def measure(variants: dict[str, Variant], args: argparse.Namespace, pairs: Seque
 
 def print_table(res: dict[str, Any], indent: str = "    ") -> None:
     """Median times, peaks and agreement of each variant of a :func:`measure` result, then its ratios."""
-    print(f"{indent}{'variant':<26}{'median ms':>10}{'p25':>8}{'p75':>8}{'peak MiB':>10}  equals (bitwise)")
+    print(f"{indent}{'variant':<26}{'median ms':>10}{'p25':>8}{'p75':>8}{'peak MiB':>10}{'faults/it':>11}"
+          "  equals (bitwise)")
     for n, v in res["variants"].items():
         t, a = v["timing"], v.get("agreement")
         eq = "" if a is None else f"{v['reference']}: " + (
             "yes" if a["params_bitwise_equal"] and a.get("state_bitwise_equal", True) else
             f"NO (max |diff| {a['max_abs_diff']:.1e})")
         print(f"{indent}{n:<26}{t['median_s'] * 1e3:10.2f}{t['p25_s'] * 1e3:8.2f}{t['p75_s'] * 1e3:8.2f}"
-              f"{mib(v['memory']['peak_bytes']):>10}  {eq}")
+              f"{mib(v['memory']['peak_bytes']):>10}{t.get('minor_faults_per_iter', float('nan')):>11.0f}  {eq}")
     print(f"{indent}{'time ratio':<44}{'of medians':>11}{'paired median (p25-p75)':>27}")
     for key, r in res["ratios"].items():
         paired = f"{r['paired_median']:.3f} ({r['paired_p25']:.3f}-{r['paired_p75']:.3f})"
