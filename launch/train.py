@@ -67,7 +67,7 @@ from dist_optim.checkpoint import CheckpointError, CheckpointManager
 
 from .compare import compare
 from .corpus import Corpus
-from .pipeline import check_pipeline, stage_group
+from .pipeline import PIPELINED, check_pipeline, stage_group, stage_of
 from .run_log import RunLog
 from .run_dir import plan_run, write_config
 from .runtime import LaunchError, Runtime, TermSignal, resolve_parallel, start, stop
@@ -85,13 +85,17 @@ def train(cfg: TrainConfig, rt: Runtime, parallel: str, corpus: Corpus) -> None:
     """Train (or resume) the run in ``cfg.run_dir``; stops after the step all ranks agree on when SIGTERM arrives,
     with a checkpoint. Collective."""
     directory = pathlib.Path(cfg.run_dir) / "checkpoints"
-    if parallel == "pp":
-        # each stage saves and loads its own part, over a group of its own rank: checkpoints/stage{r}/step_N; pruned
-        # below only once every stage has committed the step, so a kill between the stages' saves loses nothing
-        checkpoints = CheckpointManager(directory / f"stage{rt.rank}", process_group=stage_group(rt))
+    pipelined = parallel in PIPELINED
+    if pipelined:
+        # each stage saves and loads its own part, over its own ranks: checkpoints/stage{s}/step_N; pruned below only
+        # once every stage has committed the step, so a kill between the stages' saves loses nothing
+        stages = check_pipeline(cfg, rt, parallel)
+        stage, replica = stage_of(rt, stages)
+        checkpoints = CheckpointManager(directory / f"stage{stage}", process_group=stage_group(rt, stages))
     else:
         checkpoints = CheckpointManager(directory, keep_last=cfg.keep_checkpoints)
-    plan = plan_run(cfg, rt, checkpoints, per_rank=parallel == "pp")  # before anything in the run dir is written
+    # before anything in the run dir is written
+    plan = plan_run(cfg, rt, checkpoints, stage_ranks=rt.world // stages if pipelined else 0)
     job = Job(cfg, rt, corpus, parallel, cfg.optimizer_mode)
     first = 0
     if cfg.resume is not None and plan.resume_from is None:
@@ -130,9 +134,10 @@ def train(cfg: TrainConfig, rt: Runtime, parallel: str, corpus: Corpus) -> None:
                     checkpoints.save(step, model=job.model, optimizer=job.opt, schedulers=[job.sched],
                                      extra={"parallel": parallel, "optimizer_mode": cfg.optimizer_mode,
                                             **job.extra_state()})
-                    if parallel == "pp":
+                    if pipelined:
                         rt.all_gather(step)  # every stage has committed this step
-                        checkpoints.prune(cfg.keep_checkpoints)
+                        if replica == 0:  # one rank per stage's folder
+                            checkpoints.prune(cfg.keep_checkpoints)
                 if stopping:
                     if rt.is_main:
                         log.warning("SIGTERM: stopped after step %d with a checkpoint; continue with --resume latest",
