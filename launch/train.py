@@ -13,6 +13,8 @@ with one GPU per process when CUDA is present)::
     torchrun --standalone --nproc-per-node 2 -m launch.train --steps 50
     torchrun --standalone --nproc-per-node 2 -m launch.train --steps 50 --parallel ddp
     torchrun --standalone --nproc-per-node 2 -m launch.train --steps 50 --parallel pp --tie-weights false
+    torchrun --standalone --nproc-per-node 4 -m launch.train --steps 50 --parallel pp+fsdp2 --pp-stages 2 \\
+        --tie-weights false
 
 Two machines (run the same command on both, HOST:PORT being the first machine's address and a free port;
 ``--rdzv-id`` names the job)::
@@ -36,7 +38,10 @@ Options that change the training loop:
   every stage sees the whole batch, split into M micro-batches. Needs ``--tie-weights false`` (embedding and head
   on different ranks) and ``--clip-mode per_parameter`` when clipping; checkpoints go to
   RUN_DIR/checkpoints/stage{r} and resume on the same split, from the newest step every stage saved.
-  ``--parallel pp+fsdp2`` is refused.
+  ``--parallel pp+fsdp2 --pp-stages S``: the same stages, each ``fully_shard``-ed over world / S processes (at least
+  2; ranks ``[0, world / S)`` hold stage 0); each of the world / S pipelines takes its part of the global batch, as
+  under ``--parallel fsdp2``, and the loss logged is their mean. Same refusals; checkpoints/stage{s} is saved by
+  every rank of the stage.
 - ``--max-grad-norm C [--clip-mode exact|per_parameter|previous_norm]``: clipping (docs/clipping.md); ``exact``
   holds the step's gradients until backward ends and so gives up the memory saving.
 - ``--checkpoint-every N`` and ``--resume latest`` (or a checkpoint path, or a step number): checkpoints go to
