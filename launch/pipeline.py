@@ -18,7 +18,7 @@ from torch import nn
 from .gpt import GPT, loss_fn
 from .runtime import LaunchError, Runtime
 
-__all__ = ["GPTStage", "PIPELINED", "Pipeline", "build_pipeline", "check_pipeline", "run_schedule", "stage_blocks",
+__all__ = ["PIPELINED", "GPTStage", "Pipeline", "build_pipeline", "check_pipeline", "run_schedule", "stage_blocks",
            "stage_group", "stage_of"]
 
 PIPELINED = ("pp", "pp+fsdp2")  # the --parallel values that run a schedule

@@ -45,8 +45,8 @@ def test_stages_cover_the_blocks_and_keep_the_models_names():
 def test_pp_with_fsdp2_needs_torchrun(tmp_path, capsys):
     assert train.main([*TINY, "--run-dir", str(tmp_path / "r"), "--parallel", "pp+fsdp2"]) == 2
     err = capsys.readouterr().err
-    assert err.strip().splitlines() == ["launch.train: error: --parallel pp+fsdp2 needs a process group: launch "
-                                        "with torchrun"]
+    one_line = "launch.train: error: --parallel pp+fsdp2 needs a process group: launch with torchrun"
+    assert err.strip().splitlines() == [one_line]
 
 
 def test_pipeline_options_without_pp_are_refused(tmp_path, capsys):
