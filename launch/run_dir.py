@@ -158,14 +158,15 @@ def _decide_stages(cfg: TrainConfig, directory: pathlib.Path,
     return Plan(path, _changes(cfg, path)), later
 
 
-def plan_run(cfg: TrainConfig, rt: Runtime, manager: CheckpointManager, per_rank: bool = False) -> Plan:
+def plan_run(cfg: TrainConfig, rt: Runtime, manager: CheckpointManager, stage_ranks: int = 0) -> Plan:
     """Decide on rank 0, delete what ``--overwrite`` allows, and return the same plan on every rank. Collective.
 
-    ``per_rank``: every rank has a manager of its own (a pipeline stage's, ``checkpoints/stage{rank}``); rank 0
-    decides from what every stage holds, and each rank resumes from, and deletes, the checkpoints of its own with the
-    same step numbers.
+    ``stage_ranks``: 0 for one manager over the run; else a pipeline's ranks per stage, pp-major (ranks
+    ``[s * stage_ranks, (s + 1) * stage_ranks)`` share stage s's manager, ``checkpoints/stage{s}``). Rank 0 decides
+    from what the first rank of every stage reports; each stage resumes from, and its first rank deletes, the
+    checkpoints of its own with the same step numbers.
     """
-    held = rt.all_gather(_held(cfg, manager)) if per_rank else None
+    held = rt.all_gather(_held(cfg, manager))[::stage_ranks] if stage_ranks else None
     outcome: Any
     if rt.is_main:
         try:
@@ -183,9 +184,10 @@ def plan_run(cfg: TrainConfig, rt: Runtime, manager: CheckpointManager, per_rank
     if isinstance(outcome, str):
         raise LaunchError(outcome)
     plan, doomed_names = outcome
-    if per_rank and plan.resume_from is not None:
+    if stage_ranks and plan.resume_from is not None:
         plan.resume_from = plan.resume_from.parent.parent / manager.directory.name / plan.resume_from.name
-    if rt.is_main or per_rank:
+    deletes = rt.rank % stage_ranks == 0 if stage_ranks else rt.is_main
+    if deletes:
         doomed = [manager.directory / name for name in doomed_names if (manager.directory / name).exists()]
         for p in doomed:
             shutil.rmtree(p)

@@ -114,10 +114,6 @@ def stop(rt: Runtime) -> None:
 
 
 def resolve_parallel(parallel: str, rt: Runtime) -> str:
-    if parallel == "pp+fsdp2":
-        raise LaunchError("--parallel pp+fsdp2 is refused: the schedule reduce-scatters a sharded stage's gradients "
-                          "after its last backward, outside it, where no in-backward step can run "
-                          "(docs/limitations.md, pipeline x FSDP2); use --parallel pp or --parallel fsdp2")
     if parallel == "auto":
         return "fsdp2" if rt.world > 1 else "none"
     if parallel == "none" and rt.world > 1:

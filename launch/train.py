@@ -13,6 +13,8 @@ with one GPU per process when CUDA is present)::
     torchrun --standalone --nproc-per-node 2 -m launch.train --steps 50
     torchrun --standalone --nproc-per-node 2 -m launch.train --steps 50 --parallel ddp
     torchrun --standalone --nproc-per-node 2 -m launch.train --steps 50 --parallel pp --tie-weights false
+    torchrun --standalone --nproc-per-node 4 -m launch.train --steps 50 --parallel pp+fsdp2 --pp-stages 2 \\
+        --tie-weights false
 
 Two machines (run the same command on both, HOST:PORT being the first machine's address and a free port;
 ``--rdzv-id`` names the job)::
@@ -36,7 +38,10 @@ Options that change the training loop:
   every stage sees the whole batch, split into M micro-batches. Needs ``--tie-weights false`` (embedding and head
   on different ranks) and ``--clip-mode per_parameter`` when clipping; checkpoints go to
   RUN_DIR/checkpoints/stage{r} and resume on the same split, from the newest step every stage saved.
-  ``--parallel pp+fsdp2`` is refused.
+  ``--parallel pp+fsdp2 --pp-stages S``: the same stages, each ``fully_shard``-ed over world / S processes (at least
+  2; ranks ``[0, world / S)`` hold stage 0); each of the world / S pipelines takes its part of the global batch, as
+  under ``--parallel fsdp2``, and the loss logged is their mean. Same refusals; checkpoints/stage{s} is saved by
+  every rank of the stage.
 - ``--max-grad-norm C [--clip-mode exact|per_parameter|previous_norm]``: clipping (docs/clipping.md); ``exact``
   holds the step's gradients until backward ends and so gives up the memory saving.
 - ``--checkpoint-every N`` and ``--resume latest`` (or a checkpoint path, or a step number): checkpoints go to
@@ -67,7 +72,7 @@ from dist_optim.checkpoint import CheckpointError, CheckpointManager
 
 from .compare import compare
 from .corpus import Corpus
-from .pipeline import check_pipeline, stage_group
+from .pipeline import PIPELINED, check_pipeline, stage_group, stage_of
 from .run_log import RunLog
 from .run_dir import plan_run, write_config
 from .runtime import LaunchError, Runtime, TermSignal, resolve_parallel, start, stop
@@ -85,13 +90,17 @@ def train(cfg: TrainConfig, rt: Runtime, parallel: str, corpus: Corpus) -> None:
     """Train (or resume) the run in ``cfg.run_dir``; stops after the step all ranks agree on when SIGTERM arrives,
     with a checkpoint. Collective."""
     directory = pathlib.Path(cfg.run_dir) / "checkpoints"
-    if parallel == "pp":
-        # each stage saves and loads its own part, over a group of its own rank: checkpoints/stage{r}/step_N; pruned
-        # below only once every stage has committed the step, so a kill between the stages' saves loses nothing
-        checkpoints = CheckpointManager(directory / f"stage{rt.rank}", process_group=stage_group(rt))
+    pipelined = parallel in PIPELINED
+    if pipelined:
+        # each stage saves and loads its own part, over its own ranks: checkpoints/stage{s}/step_N; pruned below only
+        # once every stage has committed the step, so a kill between the stages' saves loses nothing
+        stages = check_pipeline(cfg, rt, parallel)
+        stage, replica = stage_of(rt, stages)
+        checkpoints = CheckpointManager(directory / f"stage{stage}", process_group=stage_group(rt, stages))
     else:
         checkpoints = CheckpointManager(directory, keep_last=cfg.keep_checkpoints)
-    plan = plan_run(cfg, rt, checkpoints, per_rank=parallel == "pp")  # before anything in the run dir is written
+    # before anything in the run dir is written
+    plan = plan_run(cfg, rt, checkpoints, stage_ranks=rt.world // stages if pipelined else 0)
     job = Job(cfg, rt, corpus, parallel, cfg.optimizer_mode)
     first = 0
     if cfg.resume is not None and plan.resume_from is None:
@@ -130,9 +139,10 @@ def train(cfg: TrainConfig, rt: Runtime, parallel: str, corpus: Corpus) -> None:
                     checkpoints.save(step, model=job.model, optimizer=job.opt, schedulers=[job.sched],
                                      extra={"parallel": parallel, "optimizer_mode": cfg.optimizer_mode,
                                             **job.extra_state()})
-                    if parallel == "pp":
+                    if pipelined:
                         rt.all_gather(step)  # every stage has committed this step
-                        checkpoints.prune(cfg.keep_checkpoints)
+                        if replica == 0:  # one rank per stage's folder
+                            checkpoints.prune(cfg.keep_checkpoints)
                 if stopping:
                     if rt.is_main:
                         log.warning("SIGTERM: stopped after step %d with a checkpoint; continue with --resume latest",

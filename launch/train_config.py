@@ -64,16 +64,18 @@ class TrainConfig:
     bucket_cap_mb: float = _opt(4.0, "in-backward bucket size in MiB of gradients")
     # parallelism
     parallel: str = _opt("auto", "wrapper: fsdp2 (fully_shard per block, then the root), ddp, pp (pipeline "
-                                 "stages, one per process), none (one process); auto = fsdp2 when the world size is "
-                                 "> 1, else none. pp+fsdp2 is refused (docs/limitations.md)",
+                                 "stages, one per process), pp+fsdp2 (pipeline stages, each fully_shard-ed over "
+                                 "world / --pp-stages processes), none (one process); auto = fsdp2 when the world "
+                                 "size is > 1, else none",
                          ("auto", "fsdp2", "ddp", "pp", "pp+fsdp2", "none"))
-    pp_stages: int | None = _opt(None, "--parallel pp: pipeline stages, cut on block boundaries (the first embeds, "
-                                       "the last has the head and the loss); none = the world size, the only "
-                                       "value one stage per rank allows")
-    microbatches: int | None = _opt(None, "--parallel pp: micro-batches per step, the schedule's split of "
-                                          "--batch-size (none = 4)")
-    pp_schedule: str | None = _opt(None, "--parallel pp: the torch.distributed.pipelining schedule (none = 1f1b)",
-                                   ("1f1b", "gpipe"))
+    pp_stages: int | None = _opt(None, "--parallel pp, pp+fsdp2: pipeline stages, cut on block boundaries (the first "
+                                       "embeds, the last has the head and the loss); pp: none = the world size, the "
+                                       "only value one stage per rank allows; pp+fsdp2: required, a divisor of the "
+                                       "world size below it")
+    microbatches: int | None = _opt(None, "--parallel pp, pp+fsdp2: micro-batches per step, the schedule's split of "
+                                          "each pipeline's batch (none = 4)")
+    pp_schedule: str | None = _opt(None, "--parallel pp, pp+fsdp2: the torch.distributed.pipelining schedule "
+                                         "(none = 1f1b)", ("1f1b", "gpipe"))
     device: str = _opt("auto", "auto = cuda:LOCAL_RANK (NCCL) when CUDA is present, else cpu (gloo)",
                        ("auto", "cpu", "cuda"))
     threads: int = _opt(0, "intra-op threads per process; 0 = the cores divided by the local processes")

@@ -19,7 +19,7 @@ import dist_optim
 
 from .corpus import VOCAB_SIZE, Corpus
 from .gpt import from_config, loss_fn
-from .pipeline import build_pipeline, run_schedule
+from .pipeline import PIPELINED, build_pipeline, run_schedule
 from .runtime import LaunchError, Runtime, sync_context, wrap
 from .train_config import TrainConfig
 
@@ -44,10 +44,10 @@ class StepResult:
     seconds: float
 
 
-def _across_stages(norm: torch.Tensor) -> torch.Tensor:
-    """The model's 2-norm from each stage's (a collective over the pipeline's ranks)."""
+def _across_stages(norm: torch.Tensor, group) -> torch.Tensor:
+    """The model's 2-norm from each stage's (a collective over ``group``, one rank per stage)."""
     square = norm.detach().square()
-    torch.distributed.all_reduce(square)
+    torch.distributed.all_reduce(square, group=group)
     return square.sqrt()
 
 
@@ -60,7 +60,7 @@ class Job:
 
     def __init__(self, cfg: TrainConfig, rt: Runtime, corpus: Corpus, parallel: str, mode: str) -> None:
         per_step = rt.world * cfg.accumulation_steps
-        if parallel != "pp" and cfg.batch_size % per_step:
+        if parallel not in PIPELINED and cfg.batch_size % per_step:
             raise LaunchError(
                 f"batch_size must be a multiple of world size x accumulation_steps = {rt.world} x "
                 f"{cfg.accumulation_steps}, got {cfg.batch_size}"
@@ -69,8 +69,8 @@ class Job:
         torch.manual_seed(cfg.seed)
         model = from_config(cfg.to_dict(), VOCAB_SIZE)
         self.n_params = sum(p.numel() for p in model.parameters())
-        # --parallel pp: every rank builds the whole model (the same initial weights) and keeps its stage
-        self.pipe = build_pipeline(model, cfg, rt) if parallel == "pp" else None
+        # --parallel pp, pp+fsdp2: every rank builds the whole model (the same initial weights) and keeps its stage
+        self.pipe = build_pipeline(model, cfg, rt, parallel) if parallel in PIPELINED else None
         self.model = self.pipe.module if self.pipe is not None else wrap(model, parallel, rt)
         adamw = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "weight_decay": cfg.weight_decay}
         if mode == "in_backward" and self.pipe is not None:
@@ -132,9 +132,10 @@ class Job:
         t0 = time.perf_counter()
         lr = self.opt.param_groups[0]["lr"]
         if self.pipe is not None:
-            # every stage sees the whole global batch: the first reads x, the last y, the schedule splits them
-            ((x, y),) = self.corpus.micro_batches(step, cfg.batch_size, 0, 1, 1)
-            total = run_schedule(self.pipe, x.to(self.rt.device), y.to(self.rt.device), self.rt.world - 1)
+            # each pipeline replica takes its part of the global batch (the whole of it under pp), as fsdp2's ranks
+            # do: the first stage reads x, the last y, the schedule splits them into micro-batches
+            ((x, y),) = self.corpus.micro_batches(step, cfg.batch_size, self.pipe.replica, self.pipe.replicas, 1)
+            total = run_schedule(self.pipe, x.to(self.rt.device), y.to(self.rt.device))
             micro = []
         else:
             micro = self.corpus.micro_batches(step, cfg.batch_size, self.rt.rank, self.rt.world,
@@ -153,7 +154,8 @@ class Job:
         else:
             norm = self.opt.grad_norm
         if norm is not None and self.pipe is not None:
-            norm = _across_stages(norm)
+            # a sharded stage's norm is a DTensor: its full value first, then summed over one rank per stage
+            norm = _across_stages(_full(norm), self.pipe.pp_group)
         self.sched.step()
         loss_value = (total if self.pipe is not None else self.rt.mean(total)).item()
         return StepResult(

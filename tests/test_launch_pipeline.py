@@ -1,11 +1,13 @@
 """launch.train with ``--parallel pp``: the GPT cut into two pipeline stages on two torchrun gloo ranks, each stage
 stepped in its last micro-batch backward, checked against the standard loop on the same schedule and against an
-uninterrupted run after a stop and a resume; and the settings a pipeline run refuses."""
+uninterrupted run after a stop and a resume; the same for ``--parallel pp+fsdp2`` (two stages, each sharded over
+two of four ranks); and the settings a pipeline run refuses."""
 
 from __future__ import annotations
 
 import json
 import pathlib
+import re
 import shutil
 
 import pytest
@@ -40,17 +42,18 @@ def test_stages_cover_the_blocks_and_keep_the_models_names():
 
 
 # -- refused settings ---------------------------------------------------------------------------------------------
-def test_pp_with_fsdp2_is_refused_pointing_to_the_limitation(tmp_path, capsys):
+def test_pp_with_fsdp2_needs_torchrun(tmp_path, capsys):
     assert train.main([*TINY, "--run-dir", str(tmp_path / "r"), "--parallel", "pp+fsdp2"]) == 2
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1
-    assert "--parallel pp+fsdp2 is refused: the schedule reduce-scatters" in err and "docs/limitations.md" in err
+    one_line = "launch.train: error: --parallel pp+fsdp2 needs a process group: launch with torchrun"
+    assert err.strip().splitlines() == [one_line]
 
 
 def test_pipeline_options_without_pp_are_refused(tmp_path, capsys):
     assert train.main([*TINY, "--run-dir", str(tmp_path / "r"), "--microbatches", "2", "--pp-schedule", "gpipe"]) == 2
     err = capsys.readouterr().err
-    assert "--microbatches, --pp-schedule only apply to --parallel pp, and this run is --parallel none" in err
+    assert ("--microbatches, --pp-schedule only apply to --parallel pp or pp+fsdp2, and this run is --parallel none"
+            in err)
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -68,28 +71,71 @@ def test_pipeline_settings_refused(argv, message):
         check_pipeline(cfg, two_ranks, "pp")
 
 
-# -- two torchrun ranks, two stages -------------------------------------------------------------------------------
-def test_pp_1f1b_equals_standard_loop_and_resumes_bitwise(tmp_path):
-    opts = [*PP, "--microbatches", "4", "--max-grad-norm", "0.05", "--clip-mode", "per_parameter",
-            "--track-grad-norm"]
-    out = _train(tmp_path, "cmp", *opts, "--compare", nproc=2)
+PP_FSDP2 = ["--parallel", "pp+fsdp2", "--tie-weights", "false", "--pp-stages", "2"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--parallel", "pp+fsdp2", "--tie-weights", "false"], "--parallel pp+fsdp2 needs --pp-stages S: the 4 processes"),
+    (["--parallel", "pp+fsdp2", "--tie-weights", "false", "--pp-stages", "3"],
+     "--pp-stages 3 must divide the number of processes (4)"),
+    (["--parallel", "pp+fsdp2", "--tie-weights", "false", "--pp-stages", "4"],
+     "with --pp-stages 4 on 4 processes leaves one rank per stage, with nothing to shard over; use --parallel pp"),
+    (["--parallel", "pp+fsdp2", "--pp-stages", "2"], "--parallel pp+fsdp2 needs --tie-weights false"),
+    ([*PP_FSDP2, "--accumulation-steps", "2"], "with --parallel pp+fsdp2: the schedule's micro-batches are the"),
+    ([*PP_FSDP2, "--microbatches", "8"], "multiple of --microbatches 8 x the 2 ranks per stage"),
+    ([*PP_FSDP2, "--max-grad-norm", "1"], "--clip-mode exact with --parallel pp+fsdp2: the norm spans"),
+    ([*PP_FSDP2, "--max-grad-norm", "1", "--clip-mode", "previous_norm"],
+     "--clip-mode previous_norm with --parallel pp+fsdp2: the norm spans"),
+])
+def test_pipeline_x_fsdp2_settings_refused(argv, message):
+    cfg = parse_config([*TINY, *argv])
+    four_ranks = Runtime(rank=0, world=4, local_rank=0, device=torch.device("cpu"), distributed=True)
+    with pytest.raises(LaunchError, match=re.escape(message)):
+        check_pipeline(cfg, four_ranks, "pp+fsdp2")
+
+
+# -- torchrun: two stages on two ranks (pp), or each sharded over two of four (pp+fsdp2) --------------------------------
+def _compare_then_resume(tmp_path: pathlib.Path, opts: list[str], nproc: int) -> list[float]:
+    """--compare bitwise (losses and the model's grad norm), then a run stopped after step 2 with a checkpoint per
+    step, resumed over a step one stage missed: the uninterrupted run's losses, which it returns."""
+    out = _train(tmp_path, "cmp", *opts, "--compare", nproc=nproc)
     assert "losses max |diff| 0 (bitwise equal: True)" in out.stderr
     report = json.loads((tmp_path / "cmp" / "compare" / "report.json").read_text())
-    assert report["parallel"] == "pp" and report["losses_bitwise_equal"]
+    assert report["parallel"] == opts[1] and report["world_size"] == nproc and report["losses_bitwise_equal"]
     full = report["losses"]["in_backward"]
     assert len(full) == 6 and full == report["losses"]["standard"]
-    # stopped after step 2 with a checkpoint per stage, resumed: the uninterrupted run's losses
+    norms = report["grad_norms"]
+    assert norms["in_backward"] == norms["standard"] and all(n > 0 for n in norms["standard"])
     _train(tmp_path, "part", *opts, "--stop-after", "2", "--checkpoint-every", "1", "--keep-checkpoints", "2",
-           nproc=2)
-    stages = [tmp_path / "part" / "checkpoints" / f"stage{r}" for r in range(2)]
-    for stage in stages:  # pruned to 2 once both stages had saved each step
+           nproc=nproc)
+    folder = tmp_path / "part" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["stage0", "stage1"]  # one folder per stage, not per rank
+    for stage in folder.iterdir():  # pruned to 2 once both stages had saved each step
         assert sorted(p.name for p in stage.iterdir()) == ["step_00000001", "step_00000002"]
+        # saved by every rank of the stage
+        assert json.loads((stage / "step_00000002" / "dist_optim.json").read_text())["world_size"] == nproc // 2
     # a kill between the stages' saves of step 2: stage 0 committed it, stage 1 did not
-    shutil.rmtree(stages[1] / "step_00000002")
-    out = _train(tmp_path, "part", *opts, "--resume", "latest", nproc=2)
+    shutil.rmtree(folder / "stage1" / "step_00000002")
+    out = _train(tmp_path, "part", *opts, "--resume", "latest", nproc=nproc)
     assert "steps 2 were saved by some stages only (stage0: steps 1, 2; stage1: steps 1): deleted" in out.stderr
     assert "resumed from" in out.stderr and "stage0/step_00000001" in out.stderr
     assert _losses(tmp_path, "part") == full
+    return full
+
+
+def test_pp_1f1b_equals_standard_loop_and_resumes_bitwise(tmp_path):
+    _compare_then_resume(tmp_path, [*PP, "--microbatches", "4", "--max-grad-norm", "0.05", "--clip-mode",
+                                    "per_parameter", "--track-grad-norm"], nproc=2)
+
+
+def test_pp_fsdp2_equals_standard_loop_and_resumes_bitwise(tmp_path):
+    clip = ["--max-grad-norm", "0.05", "--clip-mode", "per_parameter"]
+    # each of the 2 pipelines takes 4 of the 8 sequences, in 2 micro-batches
+    full = _compare_then_resume(tmp_path, [*PP_FSDP2, "--microbatches", "2", *clip, "--track-grad-norm"], nproc=4)
+    # the global batch, as one process trains on it: equal up to the order of the sums (means per micro-batch and
+    # per pipeline, the reduce-scatter); two pipelines on the same half would differ from step 0 on
+    _train(tmp_path, "one", "--tie-weights", "false", *clip)
+    assert _losses(tmp_path, "one") == pytest.approx(full, rel=1e-5)
 
 
 HELD = [([1, 2], None), ([1], None)]  # stage 1 was killed before committing step 2
@@ -127,3 +173,4 @@ def test_pp_gpipe_in_backward_equals_optimizer_mode_standard(tmp_path):
     assert _losses(tmp_path, "inb") == _losses(tmp_path, "std")
     norms = _metrics(tmp_path, "inb", "grad_norm")
     assert norms == _metrics(tmp_path, "std", "grad_norm") and all(n > 0 for n in norms)  # the model's norm
+
