@@ -1,8 +1,8 @@
 """What happens to a bucket's gradients between backward and the step: unscale, scale, check, measure, clip.
 
-One ``GradPolicy`` per optimizer. The engine hands it each completed bucket (``prepare``), which first divides by
-the step's gradient divisor (a pipeline schedule's ``n`` micro-batches) and applies its multiplier (a framework's
-``1 / num_tokens`` scaling), then the rest; where the decision
+One ``GradPolicy`` per optimizer. The engine hands it each completed bucket (``prepare``), which divides by the
+step's gradient divisor (a pipeline schedule's ``n`` micro-batches), unscales (a ``GradScaler``), applies its
+multiplier (a framework's ``1 / num_tokens`` scaling), then the rest, in the standard loops' order; where the decision
 needs every gradient of the step (exact global-norm clipping, all-or-nothing fp16 overflow), the engine holds the
 buckets and asks ``finish_held`` at the end of backward. Arithmetic follows torch's own helpers
 (``clip_grad_norm_``, ``clip_grad_value_``, ``GradScaler.unscale_``), so results match the standard loop.
@@ -150,6 +150,11 @@ class GradPolicy:
         """Unscale, check and measure one bucket's gradients; ``False`` if the bucket must not be stepped."""
         t0 = time.perf_counter()
         ok = True
+        if self.grad_divisor is not None:
+            # grad.div_(n), the pipeline schedule's own mean: x * (1 / n) differs from x / n in the last bit. First,
+            # as there: the schedule divides when its step ends, before scaler.step(opt) unscales.
+            for g in grads:
+                g.div_(self.grad_divisor)
         if self.scaler is not None:
             found = torch.zeros_like(self._found_inf)
             for device_grads, inv in _by_device(grads, self._inv_scale):
@@ -157,10 +162,6 @@ class GradPolicy:
             self._found_inf.add_(found)  # the scaler only needs "any"
             if self.overflow_mode == "per_bucket" and found.item():
                 ok = False
-        if self.grad_divisor is not None:
-            # grad.div_(n), the pipeline schedule's own mean: x * (1 / n) differs from x / n in the last bit
-            for g in grads:
-                g.div_(self.grad_divisor)
         if self.grad_multiplier is not None:
             _mul(grads, self.grad_multiplier)
         norms = None

@@ -240,6 +240,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             if reductions is not None:
                 reductions.attach(self._engine)
                 self._ddp_hook = reductions
+            _warn_fused_with_uneven_scale(grad_scaler, self._recipe.kernels, self.param_groups)
         except BaseException:
             self.remove()  # nothing stays attached from the groups that were accepted before the bad one
             raise
@@ -670,3 +671,27 @@ def _first_tensor(groups: list[Any]) -> torch.Tensor:
     if isinstance(first, tuple):
         first = first[1]
     return first if isinstance(first, torch.Tensor) else torch.empty(0)
+
+
+def _warn_fused_with_uneven_scale(scaler: Any, kernels: list[dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+    """``scaler.step(opt)`` lets a fused kernel unscale the gradients itself (``grad / scale`` inside the kernel);
+    in backward they are unscaled before the step (``grad * (1 / scale)``, as ``scaler.unscale_`` does). Both are
+    exact while the scale is a power of two, as GradScaler's defaults keep it; other factors make them differ in
+    the last bit, which is said once here rather than left silent."""
+    if scaler is None or not scaler.is_enabled():
+        return
+    factors = {"init_scale": scaler._init_scale, "growth_factor": scaler._growth_factor,
+               "backoff_factor": scaler._backoff_factor}
+    uneven = {k: v for k, v in factors.items() if math.frexp(float(v))[0] != 0.5}
+    fused = any(k.get("fused") or g.get("fused") for k, g in zip(kernels, groups))
+    if uneven and fused:
+        warnings.warn(
+            f"grad_scaler has {', '.join(f'{k}={v}' for k, v in uneven.items())}, not a power of two, and the "
+            "optimizer runs a fused kernel: scaler.step(opt) would let that kernel unscale the gradients itself, "
+            "which rounds differently from unscaling them before the step as the in-backward step does, so results "
+            "differ from scaler.step's in the last bit. Use powers of two (GradScaler's defaults), or foreach=True, "
+            "whose scaler.step unscales first too",
+            UserWarning,
+            stacklevel=3,
+        )
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -250,3 +251,32 @@ def test_telemetry_of_a_step():
 def test_bad_options_are_refused(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         InBackwardOptimizer(make_model().parameters(), torch.optim.SGD, lr=0.1, **kwargs)
+
+
+def test_a_scale_that_is_no_power_of_two_with_a_fused_kernel_is_said():
+    # scaler.step lets a fused kernel unscale inside itself, which rounds otherwise than unscaling first unless the
+    # scale is a power of two: measured here, then warned about at construction
+    def run(init_scale: float, kernel: str, in_backward: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+        if in_backward:
+            opt = InBackwardOptimizer(model, torch.optim.AdamW, lr=1e-2, grad_scaler=scaler, **{kernel: True})
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **{kernel: True})
+        for x in torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(1)):
+            scaler.scale(model(x).square().mean()).backward()
+            if not in_backward:
+                scaler.step(opt)
+                opt.zero_grad()
+            scaler.update()
+        return [p.detach() for p in model.parameters()]
+
+    def same(init_scale: float, kernel: str) -> bool:
+        return all(torch.equal(a, b) for a, b in zip(run(init_scale, kernel, True), run(init_scale, kernel, False)))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none of these warn
+        assert same(1024.0, "fused") and same(1000.0, "foreach")
+    with pytest.warns(UserWarning, match=r"init_scale=1000.0, not a power of two, .* fused kernel.* foreach=True"):
+        assert not same(1000.0, "fused")

@@ -66,7 +66,7 @@ def _data(steps: int, n: int = MICRO_BATCHES, seed: int = 1, device: torch.devic
             for _ in range(steps)]
 
 
-def build(ctx, schedule: str, n: int = MICRO_BATCHES, scale_grads: bool = True):
+def build(ctx, schedule: str, n: int = MICRO_BATCHES, scale_grads: bool = True, loss_fn=_loss):
     """This rank's stage modules (fresh copies of the same layers) and the schedule over them."""
     layers = _layers()
     if schedule in ("zbv", "dualpipev"):
@@ -86,10 +86,10 @@ def build(ctx, schedule: str, n: int = MICRO_BATCHES, scale_grads: bool = True):
         cls = {"interleaved-1f1b": ScheduleInterleaved1F1B, "looped-bfs": ScheduleLoopedBFS,
                "zero-bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
                "dualpipev": ScheduleDualPipeV}[schedule]
-        sched = cls(stages, n_microbatches=n, loss_fn=_loss, scale_grads=scale_grads)
+        sched = cls(stages, n_microbatches=n, loss_fn=loss_fn, scale_grads=scale_grads)
     else:
         cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-        sched = cls(stages[0], n_microbatches=n, loss_fn=_loss, scale_grads=scale_grads)
+        sched = cls(stages[0], n_microbatches=n, loss_fn=loss_fn, scale_grads=scale_grads)
     first = 0 in mine
     last = n_stages - 1 in mine
     return modules, sched, first, last
@@ -548,6 +548,45 @@ def _outside_hook_refused(ctx):
 
 def test_pipeline_x_fsdp2_without_pipeline_optimizers_is_refused(ranks):
     run_fresh(4, _outside_hook_refused)  # a group of its own: FSDP2's state is left mid-reduction
+
+
+def _grad_scaler(ctx, schedule, kernel, init_scale):
+    kw = {**ADAMW, "fused": None, kernel: True}
+
+    def train(in_backward: bool):
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1)
+        modules, sched, first, last = build(ctx, schedule, 3, loss_fn=lambda out, y: scaler.scale(_loss(out, y)))
+        if in_backward:
+            opts = dist_optim.pipeline_optimizers(sched, torch.optim.AdamW, **kw, grad_scaler=scaler,
+                                                  bucket_cap_mb=1e-4)
+        else:
+            opts = [torch.optim.AdamW(m.parameters(), **kw) for m in modules]
+        scales = []
+        for batch in _data(STEPS, 3):  # 3 micro-batches: dividing by 3 is inexact, so the order shows
+            # a stage without the loss never calls scaler.scale(loss): its scaler is started by hand, in both loops
+            scaler.scale(torch.zeros(()))
+            run_step(sched, first, last, batch)
+            if not in_backward:
+                for opt in opts:
+                    scaler.step(opt)
+                    opt.zero_grad()
+            scaler.update()
+            scales.append(scaler.get_scale())
+        return modules, opts, scales
+
+    *want, want_scales = train(False)
+    *got, got_scales = train(True)
+    assert_same(*got, *want)
+    assert got_scales == want_scales and got_scales[-1] > init_scale  # no overflow: the scale grew each step
+
+
+# foreach with a scale that is no power of two: scaler.step unscales after the schedule divided by n, and so must
+# the optimizer (the other order differs in the last bit). Fused with GradScaler's powers of two: the fused kernel
+# unscales inside itself under scaler.step, which equals unscaling first only when the scale is a power of two.
+@pytest.mark.parametrize(("kernel", "init_scale"), [("foreach", 1000.0), ("fused", 2.0**10)])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_grad_scaler_equals_scaler_step(ranks, schedule, kernel, init_scale):
+    ranks.run(2, _grad_scaler, schedule=schedule, kernel=kernel, init_scale=init_scale)
 
 
 # -- composition: EMA in backward, telemetry ------------------------------------------------------------------------
