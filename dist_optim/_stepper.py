@@ -158,6 +158,7 @@ class FusedAdamStep:
         self.step = step
         self.decoupled = decoupled
         self.known: bool | None = None  # whether the optimizer's options are all in KNOWN (checked once)
+        self.direct = 0  # steps that called the kernel directly (the others took torch's step)
 
     def __call__(self, opt: torch.optim.Optimizer) -> Any:
         if self.known is None:
@@ -191,6 +192,7 @@ class FusedAdamStep:
                        [s["exp_avg_sq"] for s in states], maxes, steps, amsgrad=g["amsgrad"], lr=g["lr"],
                        beta1=beta1, beta2=beta2, weight_decay=g["weight_decay"], eps=g["eps"],
                        maximize=g["maximize"], grad_scale=None, found_inf=None)
+        self.direct += 1
         return None
 
 
