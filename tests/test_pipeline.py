@@ -457,7 +457,8 @@ def test_stage_checkpoints_resume_on_one_process(ranks):
 def _pp_dp_mesh(ctx):
     from torch.distributed.device_mesh import init_device_mesh
 
-    return ctx.cached("pp-dp-mesh", lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")))
+    kind = _device(ctx).type  # "cuda" under NCCL (tests/gpu), else "cpu"
+    return ctx.cached("pp-dp-mesh", lambda: init_device_mesh(kind, (2, 2), mesh_dim_names=("pp", "dp")))
 
 
 def build_sharded(ctx, schedule: str):
@@ -466,18 +467,19 @@ def build_sharded(ctx, schedule: str):
 
     mesh = _pp_dp_mesh(ctx)
     pp_rank, dp_mesh = mesh["pp"].get_local_rank(), mesh["dp"]
-    module = nn.Sequential(*copy.deepcopy(_layers()[2 * pp_rank:2 * pp_rank + 2]))
+    device = _device(ctx)
+    module = nn.Sequential(*copy.deepcopy(_layers()[2 * pp_rank:2 * pp_rank + 2])).to(device)
     for layer in module:
         fully_shard(layer, mesh=dp_mesh)
     fully_shard(module, mesh=dp_mesh)
-    stage = PipelineStage(module, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    stage = PipelineStage(module, pp_rank, 2, device, group=mesh["pp"].get_group())
     make = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     return [module], make(stage, n_microbatches=MICRO_BATCHES, loss_fn=_loss), pp_rank == 0, pp_rank == 1
 
 
 def _pp_fsdp2_parity(ctx, schedule, opt_name, clip):
     cls, kw = OPTIMIZERS[opt_name]
-    data = _data(STEPS)
+    data = _data(STEPS, device=_device(ctx))
     modules, sched, first, last = build_sharded(ctx, schedule)
     opts = [cls(m.parameters(), **kw) for m in modules]
     for batch in data:
