@@ -396,7 +396,10 @@ class Engine:
         if not present:
             return
         indices = [i for i, p in zip(b.indices, b.params) if p.grad is not None]
-        ok = policy.prepare(indices, [p.grad for p in present], lambda k: self.owner.param_name(present[k]))
+        # a standard step() (outside backward) finds gradients a pipeline schedule has already divided by n: its
+        # scale_grads ran on what was not stepped in backward, so the divisor is for stepping in backward only
+        ok = policy.prepare(indices, [p.grad for p in present], lambda k: self.owner.param_name(present[k]),
+                            divide=bw.frees_grads)
         if policy.hold:
             bw.held.append((b, present))
             bw.held_ok = bw.held_ok and ok

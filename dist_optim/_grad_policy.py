@@ -146,11 +146,12 @@ class GradPolicy:
             self._inv_scale = scale.double().reciprocal().float()
             self._found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
 
-    def prepare(self, indices: list[int], grads: list[torch.Tensor], describe) -> bool:
-        """Unscale, check and measure one bucket's gradients; ``False`` if the bucket must not be stepped."""
+    def prepare(self, indices: list[int], grads: list[torch.Tensor], describe, divide: bool = True) -> bool:
+        """Unscale, check and measure one bucket's gradients; ``False`` if the bucket must not be stepped.
+        ``divide``: apply the divisor (not to gradients the schedule has divided already)."""
         t0 = time.perf_counter()
         ok = True
-        if self.grad_divisor is not None:
+        if self.grad_divisor is not None and divide:
             # grad.div_(n), the pipeline schedule's own mean: x * (1 / n) differs from x / n in the last bit. First,
             # as there: the schedule divides when its step ends, before scaler.step(opt) unscales.
             for g in grads:

@@ -8,6 +8,8 @@ would, and refuses the schedules and options whose step could not equal ``schedu
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -104,6 +106,13 @@ def pipeline_optimizers(
                 "(ScheduleGPipe, Schedule1F1B), where the schedule reduces each stage through perform_reduce_grad; "
                 "use one of them, or a standard optimizer stepped after schedule.step()"
             )
+        if sharded and not hasattr(stage, "perform_reduce_grad"):
+            raise NotImplementedError(
+                f"stage {stage.stage_index} is fully_shard-ed, and this torch ({torch.__version__}) reduces an "
+                "FSDP2 stage's gradients inside its last micro-batch backward without the "
+                "PipelineStage.perform_reduce_grad step that pipeline x FSDP2 in backward is built on (torch 2.10 "
+                "and later have it); use plain stages, or a newer torch"
+            )
         if sharded:
             # The schedule turns FSDP2's gradient sync off in every micro-batch backward, so the sharded parameters'
             # hooks run once per schedule.step(), after the last backward, from perform_reduce_grad: each bucket
@@ -124,26 +133,35 @@ def pipeline_optimizers(
     return optimizers
 
 
-def _reduce_in_window(stage: Any, opt: InBackwardOptimizer) -> None:
-    """Wrap this stage object's ``perform_reduce_grad`` (the schedule's call after the stage's last backward) so
-    that the hooks FSDP2 runs in it settle as one backward of ``opt``'s."""
-    reduce = stage.perform_reduce_grad
-    if getattr(reduce, "_in_backward_window", False):
-        raise ValueError(
-            f"stage {stage.stage_index} already has an in-backward optimizer from pipeline_optimizers: its "
-            "gradients can be consumed only once; build the optimizers once per schedule"
-        )
+class _ReduceWindow:
+    """A stage object's ``perform_reduce_grad`` (the schedule's call after the stage's last backward) wrapped so
+    that the hooks FSDP2 runs in it settle as one in-backward step of the stage's optimizer. The optimizer is held
+    weakly, and a removed one (``opt.remove()``) or an evaluation (``schedule.eval()``, no backward) passes
+    straight through to the schedule's own reduction; building the optimizers again points it at the new one."""
 
-    def perform_reduce_grad(grad_scale_factor: int) -> None:
+    def __init__(self, stage: Any, reduce: Callable[[int], None], opt: InBackwardOptimizer) -> None:
+        self.stage, self.reduce = stage, reduce
+        self.opt = weakref.ref(opt)
+
+    def __call__(self, grad_scale_factor: int) -> None:
+        opt = self.opt()
+        if opt is None or not opt._engine.handles or not self.stage.has_backward:
+            self.reduce(grad_scale_factor)
+            return
         # The window must end (settling the buckets whose last gradient came, or that were being learned) before
         # the schedule's division of what is left: the stepped gradients were divided by the optimizer's divisor.
         with opt._engine.outside_backward():
-            reduce(1)
+            self.reduce(1)
         if grad_scale_factor != 1:
-            stage.scale_grads(grad_scale_factor)  # the gradients not stepped in the window, as the schedule would
+            self.stage.scale_grads(grad_scale_factor)  # the gradients not stepped in the window, as the schedule would
 
-    perform_reduce_grad._in_backward_window = True  # type: ignore[attr-defined]
-    stage.perform_reduce_grad = perform_reduce_grad
+
+def _reduce_in_window(stage: Any, opt: InBackwardOptimizer) -> None:
+    current = stage.perform_reduce_grad
+    if isinstance(current, _ReduceWindow):
+        current.opt = weakref.ref(opt)  # the last optimizer was removed: its parameters were free to take
+    else:
+        stage.perform_reduce_grad = _ReduceWindow(stage, current, opt)
 
 
 class _Guard:

@@ -10,6 +10,7 @@ bitwise holds for any count (4 here, 3 and 5 in their own test).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -185,6 +186,27 @@ def _uneven_micro_batches(ctx, schedule, n):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_any_micro_batch_count_bitwise(ranks, schedule, n):
     ranks.run(2, _uneven_micro_batches, schedule=schedule, n=n)
+
+
+def _no_step_then_step(ctx, schedule):
+    cls, kw = OPTIMIZERS["AdamW-fused"]
+    want = train_standard(ctx, schedule, "AdamW-fused", "none")
+    modules, sched, first, last = build(ctx, schedule)
+    opts = dist_optim.pipeline_optimizers(sched, cls, **kw)
+    for batch in _data(STEPS):
+        with contextlib.ExitStack() as nothing_steps:
+            for opt in opts:
+                nothing_steps.enter_context(opt.no_step())
+            run_step(sched, first, last, batch)
+        for opt in opts:  # the standard loop's step, on the gradients the schedule divided by n already
+            opt.step()
+            opt.zero_grad()
+    assert_same(modules, opts, *want)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+def test_no_step_then_a_standard_step_divides_once(ranks, schedule):
+    ranks.run(2, _no_step_then_step, schedule=schedule)
 
 
 def _reconfigured(ctx):
@@ -536,6 +558,38 @@ def _pp_fsdp2_resume(ctx):
 
 def test_pipeline_x_fsdp2_checkpoint_per_stage_resumes_bitwise(ranks):
     ranks.run(4, _pp_fsdp2_resume)
+
+
+def _eval_and_rebuild(ctx):
+    cls, kw = OPTIMIZERS["AdamW-fused"]
+    data = _data(STEPS)
+    modules, sched, first, last = build_sharded(ctx, "1f1b")
+    opts = [cls(m.parameters(), **kw) for m in modules]
+    for batch in data:
+        run_step(sched, first, last, batch)
+        opts[0].step()
+        opts[0].zero_grad()
+
+    def evaluate(schedule, batch):
+        x, y = batch
+        schedule.eval(*((x,) if first else ()), **({"target": y} if last else {}))
+
+    r_modules, r_sched, first, last = build_sharded(ctx, "1f1b")
+    # an evaluation runs the schedule's reduction too, with no backward: no step may begin there (a scaler that
+    # has scaled nothing yet would refuse it)
+    (scaled,) = dist_optim.pipeline_optimizers(r_sched, cls, **kw, grad_scaler=torch.amp.GradScaler("cpu"))
+    evaluate(r_sched, data[0])
+    scaled.remove()
+    (opt,) = dist_optim.pipeline_optimizers(r_sched, cls, **kw)  # built again after remove(): the new one steps
+    for batch in data:
+        run_step(r_sched, first, last, batch)
+    evaluate(r_sched, data[0])
+    assert opt.last_step.params_stepped == 4  # the evaluation left the last training step's telemetry
+    assert_same(r_modules, [opt], modules, opts)
+
+
+def test_pipeline_x_fsdp2_evaluation_and_rebuilt_optimizers(ranks):
+    ranks.run(4, _eval_and_rebuild)
 
 
 def _outside_hook_refused(ctx):

@@ -123,7 +123,6 @@ def plan(req: LoadRequest, src: Source) -> Callable[[], None] | None:
         name, _, sk = key.rpartition("/")
         state_keys.setdefault(name, []).append(sk)
     state: dict[int, dict[str, Any]] = {}
-    current = optimizer.state_dict()["state"]  # a tensor the checkpoint lacks (strict=False) keeps its own state
     groups: list[dict[str, Any]] = []
     index = 0
     for gi, (row, g, cls) in enumerate(zip(names, optimizer.param_groups, group_classes(optimizer))):
@@ -146,8 +145,8 @@ def plan(req: LoadRequest, src: Source) -> Callable[[], None] | None:
                     src.read_into(key, entry[sk], f"optimizer state {sk!r} of {t}")
                 if entry:
                     state[index] = entry
-            elif index in current:
-                state[index] = current[index]
+            elif optimizer.state.get(p):
+                state[index] = optimizer.state[p]  # a tensor the checkpoint lacks (strict=False) keeps its state
             index += 1
         saved_group = saved["param_groups"][saved_group_of[sources[0]]] if sources else {}
         hyper = {k: v for k, v in saved_group.items()
