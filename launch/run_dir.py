@@ -24,6 +24,7 @@ __all__ = ["Plan", "plan_run", "write_config"]
 
 log = logging.getLogger("train")
 _STAGE = re.compile(r"stage\d+")
+_STEP = re.compile(r"step_\d+")
 
 
 @dataclass
@@ -84,7 +85,7 @@ def _decide(cfg: TrainConfig, manager: CheckpointManager) -> tuple[Plan, list[pa
     path = _target(cfg, manager)
     if path is None:
         return Plan(None), []
-    step = int(path.name.split("_")[1]) if path.name.startswith("step_") else -1
+    step = int(path.name.split("_")[1]) if _STEP.fullmatch(path.name) else -1
     later = [p for p in found if int(p.name.split("_")[1]) > step] if path.parent == manager.directory else []
     if later and not cfg.overwrite:
         # keep_last keeps the highest step numbers: the resumed run's own checkpoints would be deleted at once
@@ -132,7 +133,7 @@ def _decide_stages(cfg: TrainConfig, directory: pathlib.Path,
         path = CheckpointManager(directory / "stage0").path_for(step)
     else:
         path = pathlib.Path(cfg.resume)
-        if not (_STAGE.fullmatch(path.parent.name) and path.name.startswith("step_")):
+        if not (_STAGE.fullmatch(path.parent.name) and _STEP.fullmatch(path.name)):
             raise LaunchError(f"--resume {cfg.resume}: a pipeline run resumes each stage from its own checkpoint "
                               "(RUN_DIR/checkpoints/stage{r}/step_N): give latest, a step number, or a stage0/step_N "
                               "path")
@@ -178,6 +179,8 @@ def plan_run(cfg: TrainConfig, rt: Runtime, manager: CheckpointManager, stage_ra
                 outcome = (plan, [p.name for p in doomed])
         except LaunchError as e:
             outcome = str(e)
+        except (OSError, ValueError) as e:  # every rank must hear of it, or the others wait in all_gather
+            outcome = f"--resume {cfg.resume}: {type(e).__name__}: {e}"
     else:
         outcome = None
     outcome = rt.all_gather(outcome)[0]
