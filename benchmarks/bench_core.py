@@ -242,7 +242,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="the engine's bucket_cap_mb (default: its own; quick: 0.05, several buckets)")
     p.add_argument("--models", default="many_small,few_large,stack500,stack2000",
-                   help="comma-separated subset of many_small, few_large, stack500, stack2000")
+                   help="comma-separated subset of many_small, few_large, stack500, stack2000, big_tensors "
+                        "(2 x 64 MiB, not in the default set: the page faults of gradients glibc hands back)")
     p.add_argument("--cap-sweep", default=None, metavar="SIZES",
                    help=f"instead: peaks, bound and time per bucket cap on many_small of these sizes (of "
                         f"{','.join(SWEEP_SIZES)}; quick: a tiny one)")

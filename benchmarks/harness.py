@@ -99,9 +99,11 @@ def few_large(width: int, n: int) -> nn.Sequential:
 
 def models(quick: bool) -> dict[str, tuple[Callable[[], nn.Sequential], int]]:
     """The single-process models, each (its builder, its input width): many_small (98 tensors, 39 MiB; quick: 34
-    tensors) and few_large (4 x 16 MiB; quick: 3 x 0.25 MiB)."""
-    (w, d), (v, n) = ((64, 8), (256, 3)) if quick else ((640, 24), (2048, 4))
-    return {"many_small": (lambda: many_small(w, d), w), "few_large": (lambda: few_large(v, n), v)}
+    tensors), few_large (4 x 16 MiB; quick: 3 x 0.25 MiB) and big_tensors (2 x 64 MiB, above glibc's largest
+    mmap threshold, 32 MiB: where freed gradients go back to the OS and are faulted in again; quick: as few_large)."""
+    (w, d), (v, n), (b, k) = ((64, 8), (256, 3), (256, 2)) if quick else ((640, 24), (2048, 4), (4096, 2))
+    return {"many_small": (lambda: many_small(w, d), w), "few_large": (lambda: few_large(v, n), v),
+            "big_tensors": (lambda: few_large(b, k), b)}
 
 
 def adamw(params: Any, **kw: Any) -> torch.optim.AdamW:
