@@ -278,5 +278,7 @@ def test_a_scale_that_is_no_power_of_two_with_a_fused_kernel_is_said():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # none of these warn
         assert same(1024.0, "fused") and same(1000.0, "foreach")
+    # (on this machine the fused run with a scale of 1000 differs from scaler.step's in the last bit; not asserted:
+    # whether it does depends on the rounding of the CPU's kernel, the warning does not)
     with pytest.warns(UserWarning, match=r"init_scale=1000.0, not a power of two, .* fused kernel.* foreach=True"):
-        assert not same(1000.0, "fused")
+        run(1000.0, "fused", True)
