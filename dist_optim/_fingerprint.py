@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dist_optim._inputs import is_dtensor
 from dist_optim._stepper import hyperparameters
 
 __all__: list[str] = []
@@ -49,7 +50,7 @@ def options_of(opt: Any, accumulation_steps: int) -> dict[str, str]:
 def sharding_group(params: list[torch.Tensor]) -> Any:
     """The process group across which the DTensor ``params`` are sharded: their 1-D mesh's (FSDP2 over a slice of
     a larger mesh, as a pipeline stage of pipeline x FSDP2 is), else ``None`` (the default group)."""
-    mesh = next((p.device_mesh for p in params if hasattr(p, "device_mesh")), None)
+    mesh = next((p.device_mesh for p in params if is_dtensor(p)), None)
     return mesh.get_group() if mesh is not None and mesh.ndim == 1 else None
 
 

@@ -2,9 +2,9 @@
 
 One ``GradPolicy`` per optimizer. The engine hands it each completed bucket (``prepare``), which divides by the
 step's gradient divisor (a pipeline schedule's ``n`` micro-batches), unscales (a ``GradScaler``), applies its
-multiplier (a framework's ``1 / num_tokens`` scaling), then the rest, in the standard loops' order; where the decision
-needs every gradient of the step (exact global-norm clipping, all-or-nothing fp16 overflow), the engine holds the
-buckets and asks ``finish_held`` at the end of backward. Arithmetic follows torch's own helpers
+multiplier (a framework's ``1 / num_tokens`` scaling), then the rest, in the standard loops' order; where the
+decision needs every gradient of the step (exact global-norm clipping, all-or-nothing fp16 overflow), the engine
+holds the buckets and asks ``finish_held`` at the end of backward. Arithmetic follows torch's own helpers
 (``clip_grad_norm_``, ``clip_grad_value_``, ``GradScaler.unscale_``), so results match the standard loop.
 """
 

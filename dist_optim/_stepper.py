@@ -127,7 +127,7 @@ class Recipe:
                 step = shards.stepper(step, state)
             elif cls in _FUSED_ADAM and all(k.get("fused") or g.get("fused") for k, g in zip(
                     fixed, (groups[gi] for gi, _, _ in cls_parts))) and _one_kind(params):
-                step = FusedAdamStep(step, cls is torch.optim.AdamW)
+                step = FusedAdamStep(step, cls is torch.optim.AdamW, optimizer)
             inners.append(InnerOptimizer(optimizer, step, links))
         return inners
 
@@ -154,16 +154,16 @@ class FusedAdamStep:
     KNOWN = frozenset({"lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
                        "differentiable", "fused", "decoupled_weight_decay"})
 
-    def __init__(self, step: Callable[[torch.optim.Optimizer], Any], decoupled: bool) -> None:
+    def __init__(self, step: Callable[[torch.optim.Optimizer], Any], decoupled: bool,
+                 opt: torch.optim.Optimizer) -> None:
         self.step = step
         self.decoupled = decoupled
-        self.known: bool | None = None  # whether the optimizer's options are all in KNOWN (checked once)
+        self.known = set(opt.defaults) <= self.KNOWN  # whether every option of this torch's optimizer is known
         self.direct = 0  # steps that called the kernel directly (the others took torch's step)
 
     def __call__(self, opt: torch.optim.Optimizer) -> Any:
-        if self.known is None:
-            self.known = set(opt.defaults) <= self.KNOWN
-        if not self.known:
+        if (not self.known or getattr(opt, "grad_scale", None) is not None
+                or getattr(opt, "found_inf", None) is not None):
             return self.step(opt)
         calls = []
         state = opt.state
@@ -179,8 +179,6 @@ class FusedAdamStep:
                 return self.step(opt)  # the first step creates the state; sparse gradients: torch's error
             maxes = [s["max_exp_avg_sq"] for s in states] if g["amsgrad"] else []
             calls.append((g, params, states, maxes, beta1, beta2))
-        if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
-            return self.step(opt)
         kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
         with torch.no_grad():
             for g, params, states, maxes, beta1, beta2 in calls:
