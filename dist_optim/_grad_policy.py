@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype  # clip_grad_norm_'s own grouping
 
 from dist_optim._inputs import is_dtensor
 
@@ -108,6 +109,9 @@ class GradPolicy:
         )
         self.previous_norm: torch.Tensor | None = None
         self.stats = StepStats()
+        # parameter index -> its place in the order the global norm combines the per-tensor norms (the order
+        # clip_grad_norm_ is given the tensors in); indices absent follow, in index order
+        self.norm_rank: dict[int, int] = {}
         self._norms: dict[int, torch.Tensor] = {}
         self._found_inf: torch.Tensor | None = None
         self._inv_scale: torch.Tensor | None = None
@@ -167,7 +171,7 @@ class GradPolicy:
             _mul(grads, self.grad_multiplier)
         norms = None
         if self.track_norm or self.nonfinite != "ignore" or (self.max_grad_norm and self.clip_mode == "per_parameter"):
-            norms = torch._foreach_norm(grads, self.norm_type)
+            norms = per_tensor_norms(grads, self.norm_type)
             if self.track_norm:
                 for i, n in zip(indices, norms):
                     self._norms[i] = n
@@ -217,11 +221,17 @@ class GradPolicy:
         return True
 
     def total_norm(self) -> torch.Tensor:
+        """The global norm of the measured tensors, combined as ``clip_grad_norm_`` combines them: in the order of
+        :attr:`norm_rank`, grouped by device and dtype as torch groups them, stacked on the first one's device."""
         if not self._norms:
-            return torch.zeros(())
-        norms = [self._norms[i] for i in sorted(self._norms)]
+            return torch.tensor(0.0)
+        last = len(self.norm_rank)
+        order = sorted(self._norms, key=lambda i: (self.norm_rank.get(i, last), i))
+        norms = [self._norms[i] for i in order]
         first = norms[0].device
-        return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), self.norm_type)
+        grouped = _group_tensors_by_device_and_dtype([norms], with_indices=True)
+        combined = [norms[k] for _, (_, positions) in grouped.items() for k in positions]
+        return torch.linalg.vector_norm(torch.stack([n.to(first) for n in combined]), self.norm_type)
 
     # -- what a checkpoint must carry ----------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
@@ -259,6 +269,19 @@ class GradPolicy:
         if self.scaler is not None:
             self.stats.overflow = bool(self._found_inf.item())
             _record_for_scaler(self.scaler, optimizer, self._found_inf)
+
+
+def per_tensor_norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Each tensor's norm by the kernel ``clip_grad_norm_`` uses for it: ``_foreach_norm`` over the tensors of one
+    device and dtype (on CUDA a list of mixed dtypes would take another kernel)."""
+    first = grads[0]
+    if all(g.device == first.device and g.dtype == first.dtype for g in grads):
+        return list(torch._foreach_norm(grads, norm_type))
+    norms: list[torch.Tensor | None] = [None] * len(grads)
+    for ([kind], positions) in _group_tensors_by_device_and_dtype([grads], with_indices=True).values():
+        for k, n in zip(positions, torch._foreach_norm(kind, norm_type)):
+            norms[k] = n
+    return norms  # type: ignore[return-value]
 
 
 def _by_device(grads: list[torch.Tensor], inv_scale: torch.Tensor):

@@ -89,6 +89,11 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             (``clip_grad_value_``), after any norm clipping.
         track_grad_norm: measure the global gradient norm every step (:attr:`grad_norm`), at the cost of one read
             of the gradients; always on when a global-norm clipping mode is set.
+        grad_norm_order: the tensors in the order ``clip_grad_norm_`` would be given them (e.g.
+            ``model.parameters()``): the global norm combines the per-tensor norms in that order, exactly as
+            ``clip_grad_norm_`` does, so that norm and clipping coefficient are bitwise its own. Default: the order
+            the tensors were given in (a module's parameter order when built from a module). Tensors this optimizer
+            does not step are ignored; tensors it steps that are not listed come last, in their given order.
         grad_scaler: a ``torch.amp.GradScaler`` whose ``scale(loss)`` produced the backward: gradients are
             unscaled inside backward and checked; ``scaler.update()`` then works as usual.
         overflow: with ``grad_scaler``: ``"exact"`` holds the step's gradients until backward ends and steps all
@@ -140,6 +145,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         grad_norm_type: float = 2.0,
         max_grad_value: float | None = None,
         track_grad_norm: bool = False,
+        grad_norm_order: Any = None,
         grad_scaler: torch.amp.GradScaler | None = None,
         overflow: str = "exact",
         nonfinite: str = "ignore",
@@ -167,6 +173,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             track_grad_norm=track_grad_norm,
         )
         self._policy = GradPolicy(**self._policy_options)
+        self._norm_order: dict[int, int] = {}  # id(tensor) -> its place in grad_norm_order
         ddp = params if isinstance(params, nn.parallel.DistributedDataParallel) else None
         if ddp is not None:
             check_ddp(ddp)
@@ -232,6 +239,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._framework_watch = Watch()  # a framework that clips or accumulates after backward: refused
         try:
             super().__init__(groups, defaults)
+            self._norm_order = self._norm_order_of(grad_norm_order)
+            self._rank_norms()
             self._framework_watch.at_construction(self)
             if ddp is not None or any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
                 group = ddp.process_group if ddp is not None else sharding_group(
@@ -301,6 +310,31 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         handles = self._engine.add_params(len(self.param_groups) - 1, filled["params"])
         for p, handle in zip(filled["params"], handles):
             record_owner(p, self, handle)
+        self._rank_norms()
+
+    @staticmethod
+    def _norm_order_of(tensors: Any) -> dict[int, int]:
+        """``grad_norm_order`` checked, as ``id(tensor) -> place`` (``None``: the given order)."""
+        if tensors is None:
+            return {}
+        if isinstance(tensors, nn.Module):
+            tensors = tensors.parameters()
+        if isinstance(tensors, torch.Tensor) or isinstance(tensors, (set, frozenset)):
+            raise TypeError(
+                f"grad_norm_order must be an ordered iterable of tensors (e.g. model.parameters()) or an nn.Module, "
+                f"got a {type(tensors).__name__}"
+            )
+        order: dict[int, int] = {}
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"grad_norm_order must hold tensors, got a {type(t).__name__}")
+            order.setdefault(id(t), len(order))
+        return order
+
+    def _rank_norms(self) -> None:
+        """Give the policy each stepped tensor's place in ``grad_norm_order`` (by the engine's index)."""
+        index = self._engine.index_of
+        self._policy.norm_rank = {index[k]: place for k, place in self._norm_order.items() if k in index}
 
     def register_bucket_step_hook(
         self, hook: Callable[[InBackwardOptimizer, list[torch.Tensor]], None]
@@ -430,6 +464,16 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         return self._policy_options["clip_mode"]
 
     @property
+    def grad_norm_order(self) -> tuple[torch.Tensor, ...] | None:
+        """This optimizer's tensors in the order the global norm combines their norms, when ``grad_norm_order`` was
+        given (``None``: the order they were given in); see :meth:`configure_clipping`."""
+        if not self._norm_order:
+            return None
+        tensors = [p for g in self.param_groups for p in g["params"]]
+        last = len(self._norm_order)
+        return tuple(sorted(tensors, key=lambda p: self._norm_order.get(id(p), last)))
+
+    @property
     def max_grad_value(self) -> float | None:
         """The configured ``max_grad_value`` (``None``: no value clipping)."""
         return self._policy_options["max_grad_value"]
@@ -446,13 +490,15 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         clip_mode: str | object = _UNCHANGED,
         max_grad_value: float | None | object = _UNCHANGED,
         grad_norm_type: float | object = _UNCHANGED,
+        grad_norm_order: Any = _UNCHANGED,
     ) -> None:
         """Change the clipping options between two steps, as if they had been given at construction (a framework
         adapter sets them from the framework's own setting). Options not given keep their value; the previous
-        step's norm is kept.
+        step's norm is kept. ``grad_norm_order=None`` goes back to the order the tensors were given in.
 
         Raises:
             ValueError: an option is out of range (as at construction).
+            TypeError: ``grad_norm_order`` is not an ordered iterable of tensors or a module.
             RuntimeError: called during a backward.
         """
         if torch._C._current_graph_task_id() != -1:
@@ -464,10 +510,13 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         }
         options = {**self._policy_options, **changes}
         policy = GradPolicy(**options)
+        if grad_norm_order is not _UNCHANGED:
+            self._norm_order = self._norm_order_of(grad_norm_order)
         old = self._policy
         policy.previous_norm, policy.stats = old.previous_norm, old.stats
         self._policy_options = options
         self._policy = policy
+        self._rank_norms()
 
     def set_grad_multiplier(self, multiplier: float | torch.Tensor | None) -> None:
         """Multiply every gradient by ``multiplier`` before it is checked, clipped and stepped, from the next step

@@ -282,3 +282,64 @@ def test_a_scale_that_is_no_power_of_two_with_a_fused_kernel_is_said():
     # whether it does depends on the rounding of the CPU's kernel, the warning does not)
     with pytest.warns(UserWarning, match=r"init_scale=1000.0, not a power of two, .* fused kernel.* foreach=True"):
         run(1000.0, "fused", True)
+
+
+class _Kinds(nn.Module):
+    """Tensors of two dtypes and many sizes: the global norm's result depends on the order its per-tensor norms
+    are combined in and on torch's grouping by dtype (float32 sums: float64 would hide the order)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        dtypes = (torch.float32, torch.float32, torch.bfloat16)
+        self.tensors = nn.ParameterList(
+            nn.Parameter(torch.randn(5 + k, generator=g).to(dtypes[k % 3])) for k in range(48)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(((p.float() * x[: p.numel()]).sum() ** 2 for p in self.tensors), torch.zeros(()))
+
+
+@pytest.mark.parametrize("given_order", [True, False], ids=["grad_norm_order", "group-order"])
+def test_the_global_norm_is_clip_grad_norm_s_own_over_the_order_it_is_given(given_order):
+    """Groups given in another order than the module's (as HF builds them: decayed tensors first): with
+    ``grad_norm_order=model`` the norm, coefficient and parameters equal ``clip_grad_norm_(model.parameters())``
+    bitwise; without it they equal ``clip_grad_norm_`` over the groups' order."""
+    torch.manual_seed(0)
+    model = _Kinds()
+    ref = _Kinds()
+    params = list(model.parameters())
+    groups = [{"params": params[1::2], "weight_decay": 0.1}, {"params": params[0::2], "weight_decay": 0.0}]
+    ref_params = list(ref.parameters())
+    ref_groups = [{"params": ref_params[1::2], "weight_decay": 0.1}, {"params": ref_params[0::2], "weight_decay": 0.0}]
+    order = {"grad_norm_order": model} if given_order else {}
+    opt = InBackwardOptimizer(groups, torch.optim.SGD, lr=0.1, foreach=True, max_grad_norm=0.5, **order,
+                              **SMALL_BUCKETS)
+    ref_opt = torch.optim.SGD(ref_groups, lr=0.1, foreach=True)
+    ref_order = ref_params if given_order else [p for g in ref_groups for p in g["params"]]
+    other_order = [p for g in ref_groups for p in g["params"]] if given_order else ref_params
+    orders_differ = False
+    for x in torch.randn(8, 64, generator=torch.Generator().manual_seed(5)):
+        model(x).backward()
+        ref(x).backward()
+        # the control: the other order gives another norm, so this test fails if the order is not followed
+        other = torch.nn.utils.get_total_norm([p.grad for p in other_order])
+        norm = torch.nn.utils.clip_grad_norm_(ref_order, 0.5)
+        orders_differ |= not torch.equal(other, norm)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert torch.equal(opt.grad_norm, norm)
+        assert torch.equal(opt.last_step.clip_coef, torch.clamp(0.5 / (norm + 1e-6), max=1.0))
+    assert orders_differ
+    assert_same_params(model, ref)
+    assert (opt.grad_norm_order == tuple(params)) if given_order else opt.grad_norm_order is None
+
+
+def test_grad_norm_order_is_checked():
+    model = make_model()
+    with pytest.raises(TypeError, match=r"grad_norm_order must be an ordered iterable.*got a set"):
+        InBackwardOptimizer(model, torch.optim.SGD, lr=0.1, grad_norm_order=set(model.parameters()))
+    opt = InBackwardOptimizer(model, torch.optim.SGD, lr=0.1, max_grad_norm=1.0)
+    with pytest.raises(TypeError, match=r"grad_norm_order must hold tensors, got a str"):
+        opt.configure_clipping(grad_norm_order=["weight"])
+    assert opt.grad_norm_order is None and opt.max_grad_norm == 1.0  # nothing changed by the refused call

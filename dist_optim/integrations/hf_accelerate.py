@@ -29,6 +29,9 @@ class InBackwardAccelerator(Accelerator):
       step ran before this call; otherwise it raises, naming the fix. ``max_norm=inf`` only measures (it needs
       ``track_grad_norm=True`` or a ``max_grad_norm``).
     - ``clip_grad_value_(params, clip_value)`` checks the optimizer's ``max_grad_value`` in the same way.
+    - ``prepare(model, opt)`` with one model: the optimizer combines the global norm in ``model.parameters()``
+      order (``grad_norm_order``, unless it was given one), as ``clip_grad_norm_(model.parameters(), ...)`` would,
+      so that norm and clipping are bitwise the standard loop's.
 
     Parameters that no prepared ``InBackwardOptimizer`` steps go through ``Accelerator`` unchanged.
 
@@ -59,6 +62,12 @@ class InBackwardAccelerator(Accelerator):
             opt = unwrap(obj)
             if opt is not None and all(opt is not o for o in self._in_backward):
                 self._in_backward.append(opt)
+        models = [obj for obj in args if isinstance(obj, torch.nn.Module)]
+        if len(models) == 1:
+            # a loop clips clip_grad_norm_(model.parameters()): the norm combines in that order, not the groups'
+            for opt in filter(None, map(unwrap, args)):
+                if opt.grad_norm_order is None:
+                    opt.configure_clipping(grad_norm_order=models[0].parameters())
         return super().prepare(*args, **kwargs)
 
     @property

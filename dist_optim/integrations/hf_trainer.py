@@ -39,7 +39,9 @@ class InBackwardTrainer(Trainer):
         - ``max_grad_norm > 0``: ``opt.configure_clipping(max_grad_norm=..., clip_mode="exact")`` before training
           (the Trainer's own ``clip_grad_norm_`` call then finds no gradients and changes nothing); ``0`` or
           ``None``: no clipping.
-        - the logged ``grad_norm``: ``opt.grad_norm`` (left out of the logs when the optimizer does not measure it).
+        - the logged ``grad_norm``: ``opt.grad_norm`` (left out of the logs when the optimizer does not measure it),
+          combined in ``model.parameters()`` order (``grad_norm_order``) as the Trainer's ``clip_grad_norm_``
+          combines it, so that norm and clipping are bitwise the Trainer's.
 
     Raises:
         NotImplementedError: ``args.optim`` or ``optimizer_cls_and_kwargs`` gives something other than an optimizer
@@ -84,7 +86,9 @@ class InBackwardTrainer(Trainer):
                 self.optimizer_cls_and_kwargs = saved
         opt = unwrap(self.optimizer)
         if opt is not None:
-            opt.configure_clipping(**clipping_options(self.args.max_grad_norm, "norm"))
+            # the Trainer measures (and clips) clip_grad_norm_(model.parameters()): its order, not the groups'
+            opt.configure_clipping(**clipping_options(self.args.max_grad_norm, "norm"),
+                                   grad_norm_order=(self.model if model is None else model).parameters())
         return self.optimizer
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
