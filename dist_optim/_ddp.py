@@ -164,6 +164,34 @@ class DDPCommHook:
                     self.engine.settle_reduced(r.params)
         return True
 
+    def learns_buckets(self) -> bool:
+        """Whether DDP will record, in this backward, the order gradients arrive in, to rebuild its buckets at the
+        next forward (its first iteration; not with ``find_unused_parameters=True``). A second backward over the
+        same forward would record every parameter twice, and rebuilding in between would reduce the second on
+        another bucket layout, whose sums differ in the last bits on more than two ranks."""
+        ddp = self.ddp()
+        assert ddp is not None
+        if ddp.static_graph:
+            raise NotImplementedError(
+                "clip_mode='two_pass' with DDP(static_graph=True): a static graph runs one backward per forward, "
+                "and two_pass runs two. Use static_graph=False, or clip_mode='exact'"
+            )
+        return not ddp.find_unused_parameters and not getattr(ddp, "_has_rebuilt_buckets", False)
+
+    def reduces(self) -> bool:
+        """Whether DDP reduces the coming backward: its last forward ran outside ``no_sync()``."""
+        ddp = self.ddp()
+        assert ddp is not None
+        return bool(getattr(ddp, "require_forward_param_sync", ddp.require_backward_grad_sync))
+
+    def expect_backward(self, loss: torch.Tensor) -> None:
+        """Arm DDP's reducer for one more backward over the forward whose backward it has reduced already (the
+        stepping pass of ``clip_mode="two_pass"``), as DDP's forward arms it; otherwise that backward is not
+        reduced at all."""
+        ddp = self.ddp()
+        assert ddp is not None
+        ddp.reducer.prepare_for_backward([loss] if ddp.find_unused_parameters else [])
+
     def reset(self) -> None:
         """Forget the reductions of a backward that raised: they are not stepped by the next one."""
         self.pending.clear()

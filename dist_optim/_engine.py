@@ -83,14 +83,15 @@ class _Bucket:
 class _Backward:
     """The state of one backward; the next backward starts a new one."""
 
-    __slots__ = ("task", "previous_task", "steps", "policy", "frees_grads", "began", "held", "held_ok", "learning",
-                 "learning_bytes", "ended", "live_bytes", "peak_bytes", "stepped")
+    __slots__ = ("task", "previous_task", "steps", "measures", "policy", "frees_grads", "began", "held", "held_ok",
+                 "learning", "learning_bytes", "ended", "live_bytes", "peak_bytes", "stepped")
 
     def __init__(self, task: int, previous_task: int, steps: bool, policy: GradPolicy | None,
-                 frees_grads: bool = True) -> None:
+                 frees_grads: bool = True, measures: bool = False) -> None:
         self.task = task  # the autograd graph task running it (-1: a standard step() outside backward)
         self.previous_task = previous_task  # the task of the backward before: seeing it again means a nested one
         self.steps = steps  # False: a micro-batch that only accumulates into .grad
+        self.measures = measures  # the measuring pass of a two-pass step: gradients measured and freed, not stepped
         self.policy = policy  # unscales, checks and clips the gradients of this step
         self.frees_grads = frees_grads  # whether stepped gradients are set to None (not by a standard step())
         self.began = False  # whether the owner was told that the training step began
@@ -141,6 +142,7 @@ class Engine:
         self.at_once_bytes = 0  # gradient bytes that one autograd node hands over at once (whole-model compile)
         self.computed_with: dict[int, int] = {}  # param index -> a label of the autograd node that computes its
         # gradient together with its siblings' (from the first stepping backward's graph; empty if not found)
+        self.measuring = False  # set by the owner around the measuring backward of a two-pass step
 
     # -- registration -------------------------------------------------------------------------------------------
     def add_params(self, group_index: int, params: list[torch.Tensor]) -> list[RemovableHandle | None]:
@@ -245,16 +247,23 @@ class Engine:
             self.backward = refused = _Backward(tid, last.task, True, None)
             refused.learning = [first] if first is not None else []
             raise RuntimeError(compiled_autograd_message())
-        nested, roots = _backward_frames(want_roots=not self.arrival_checked)
+        nested, roots = _backward_frames()
         if tid == last.previous_task or nested:
             _refuse_nested_backward()
         if not last.ended:
             self._recover(last, first)
         if self.reductions is not None:
             self.reductions.reset()
-        steps = self.owner.backward_steps()
+        measures = self.measuring
+        steps = measures or self.owner.backward_steps()  # a measuring pass is counted by the stepping one
         policy = self.owner.grad_policy()
-        self.backward = bw = _Backward(tid, last.task, steps, policy)
+        if steps and not measures:
+            if policy.two_pass and policy.phase == "":
+                self.backward = refused = _Backward(tid, last.task, True, None)
+                refused.learning = [first] if first is not None else []
+                raise RuntimeError(_TWO_PASS_MESSAGE)
+            _guard_graph(roots)
+        self.backward = bw = _Backward(tid, last.task, steps, policy, measures=measures)
         if steps:
             policy.begin()
             if not self.arrival_checked and roots is not None:
@@ -400,7 +409,9 @@ class Engine:
         # scale_grads ran on what was not stepped in backward, so the divisor is for stepping in backward only
         ok = policy.prepare(indices, [p.grad for p in present], lambda k: self.owner.param_name(present[k]),
                             divide=bw.frees_grads)
-        if policy.hold:
+        if bw.measures:
+            self._free(b, bw, len(present) == b.size)  # measured: the stepping pass computes it again
+        elif policy.hold:
             bw.held.append((b, present))
             bw.held_ok = bw.held_ok and ok
         else:
@@ -478,6 +489,8 @@ class Engine:
         self._settle_held(bw)
         bw.ended = True
         self.incomplete = False
+        if bw.measures:
+            return  # the owner decides whether the stepping pass runs
         bw.policy.stats.grad_bytes_peak = max(bw.peak_bytes, bw.live_bytes, self.at_once_bytes)
         self.owner.step_ends(bw.began)
 
@@ -565,7 +578,7 @@ def _was_partial(b: _Bucket, last: _Backward) -> bool:
     return b.arrived > 0 or any(b is held for held, _ in last.held)
 
 
-def _backward_frames(want_roots: bool) -> tuple[bool, list[torch.Tensor] | None]:
+def _backward_frames() -> tuple[bool, list[torch.Tensor] | None]:
     """Read once per backward from this thread's stack: whether the running backward was launched from an autograd
     Function's backward (a reentrant checkpoint: a backward entry point called, indirectly, by
     ``BackwardCFunction.apply``), and the tensors it started from (``None`` if not found). A backward whose
@@ -576,12 +589,42 @@ def _backward_frames(want_roots: bool) -> tuple[bool, list[torch.Tensor] | None]
         code = frame.f_code
         if code.co_name == "_engine_run_backward" and code.co_filename.endswith(_GRAPH_PY):
             if roots is None:
-                outputs = frame.f_locals.get("t_outputs") if want_roots else None
+                outputs = frame.f_locals.get("t_outputs")
                 roots = list(outputs) if isinstance(outputs, (list, tuple)) else []
         elif roots is not None and code.co_name == "apply" and code.co_filename.endswith(_FUNCTION_PY):
             return True, roots
         frame = frame.f_back
     return False, roots
+
+
+_STEPPED = "dist_optim.stepped"  # key in a graph root's node metadata: a backward through it stepped parameters
+
+_TWO_PASS_MESSAGE = (
+    "clip_mode='two_pass' steps through opt.backward(loss), which runs a measuring backward and then the stepping "
+    "one; this backward was started otherwise (loss.backward()), and refused before anything was stepped. Call "
+    "opt.backward(loss) in place of loss.backward(), or choose clip_mode='exact'"
+)
+
+
+def _guard_graph(roots: list[torch.Tensor] | None) -> None:
+    """A backward that steps runs through the graph of ``roots``: a later backward over the same graph (kept with
+    ``retain_graph=True``) is refused as it starts, by a pre-hook on the root's node, which lives and dies with the
+    graph. Its saved tensors predate the step, which changed the parameters in place; torch would fail with a
+    version error that does not say why, or step a second time on the same batch."""
+    root = next((t.grad_fn for t in roots or () if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+    if root is None or root.metadata.get(_STEPPED):
+        return
+    root.metadata[_STEPPED] = True
+    root.register_prehook(_refuse_stepped_graph)
+
+
+def _refuse_stepped_graph(grad_outputs: object) -> None:
+    raise RuntimeError(
+        "backward() ran again over a graph kept with retain_graph=True, after a backward through it had already "
+        "stepped the parameters in place (the optimizer steps inside backward): the graph's saved tensors predate "
+        "that step, so nothing was stepped this time. Run a new forward for each backward that steps; to measure "
+        "the global norm first and then clip and step, use clip_mode='two_pass' with opt.backward(loss)"
+    )
 
 
 def _compiled_autograd_on() -> bool:

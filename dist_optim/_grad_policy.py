@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from dist_optim._inputs import is_dtensor
 
 __all__: list[str] = []
 
-CLIP_MODES = ("exact", "per_parameter", "previous_norm")
+CLIP_MODES = ("exact", "two_pass", "per_parameter", "previous_norm")
 OVERFLOW_MODES = ("exact", "per_bucket")
 NONFINITE_MODES = ("ignore", "skip", "raise")
 
@@ -101,9 +102,17 @@ class GradPolicy:
                                          or grad_divisor < 1):
             raise ValueError(f"grad_divisor must be an int >= 1 or None, got {grad_divisor!r}")
         self.grad_divisor = grad_divisor
-        self.hold = (max_grad_norm is not None and clip_mode == "exact") or (
-            self.scaler is not None and overflow == "exact"
+        # two_pass: a measuring backward decides norm and overflow, then the stepping backward steps each bucket
+        self.two_pass = max_grad_norm is not None and clip_mode == "two_pass"
+        self._holds = (max_grad_norm is not None and clip_mode == "exact") or (
+            self.scaler is not None and overflow == "exact" and not self.two_pass
         )
+        self.hold = self._holds  # for this step: whether buckets wait for the decision on the whole step
+        # The pass of a two-pass step, set by the optimizer around each backward: "" (a plain backward), "measure",
+        # "step", or "held" (gradients accumulated before: held as exact clipping holds them, in one backward).
+        self.phase = ""
+        self.measured_norm: torch.Tensor | None = None  # the measuring pass's global norm, which the step clips by
+        self._coef: torch.Tensor | None = None
         self._transforms = self.track_norm or self.hold or self.scaler is not None or max_grad_norm is not None or (
             max_grad_value is not None or nonfinite != "ignore"
         )
@@ -140,7 +149,12 @@ class GradPolicy:
 
     # -- per training step --------------------------------------------------------------------------------------
     def begin(self) -> None:
-        self.stats = StepStats()
+        """A backward that steps (or measures) begins."""
+        self.hold = self._holds or self.phase == "held" or (self.two_pass and self.phase == "")
+        measuring_time = self.stats.step_time_s if self.phase == "step" else 0.0
+        if self.phase != "step":
+            self.measured_norm = self._coef = None
+        self.stats = StepStats(step_time_s=measuring_time)
         self._norms.clear()
         self._found_inf = None
         if self.scaler is not None:
@@ -186,7 +200,7 @@ class GradPolicy:
                         "nonfinite='skip' to skip such steps and count them"
                     )
                 ok = False
-        if ok and not self.hold:
+        if ok and not self.hold and self.phase != "measure":
             self._clip_now(grads, norms)
         self.stats.step_time_s += time.perf_counter() - t0
         return ok
@@ -202,6 +216,9 @@ class GradPolicy:
                 coef = torch.clamp(self.max_grad_norm / (self.previous_norm + 1e-6), max=1.0)
                 self.stats.clip_coef = coef
                 _mul(grads, coef)
+            elif self._coef is not None:  # two_pass, the stepping pass
+                self.stats.clip_coef = self._coef
+                _mul(grads, self._coef)
         if self.max_grad_value is not None:
             _clamp(grads, self.max_grad_value)
 
@@ -211,13 +228,23 @@ class GradPolicy:
         if self.scaler is not None and self._found_inf.item():
             self.stats.step_time_s += time.perf_counter() - t0
             return False
-        if self.max_grad_norm is not None and self.clip_mode == "exact":
+        if self.max_grad_norm is not None and self.clip_mode in ("exact", "two_pass"):
             coef = torch.clamp(self.max_grad_norm / (self.total_norm() + 1e-6), max=1.0)
             self.stats.clip_coef = coef
             _mul(grads, coef)
         if self.max_grad_value is not None:
             _clamp(grads, self.max_grad_value)
         self.stats.step_time_s += time.perf_counter() - t0
+        return True
+
+    def finish_measure(self) -> bool:
+        """The measuring pass of a two-pass step is over: take the global norm and the clipping coefficient the
+        stepping pass applies. ``False``: the step is skipped (a GradScaler overflow, or a non-finite gradient with
+        ``nonfinite="skip"``), and no stepping pass is needed."""
+        if (self.scaler is not None and self._found_inf.item()) or self.stats.overflow:
+            return False
+        self.measured_norm = self.total_norm()
+        self._coef = torch.clamp(self.max_grad_norm / (self.measured_norm + 1e-6), max=1.0)
         return True
 
     def total_norm(self) -> torch.Tensor:
@@ -264,8 +291,21 @@ class GradPolicy:
 
     def end(self, optimizer: torch.optim.Optimizer) -> None:
         if self.track_norm:
-            self.stats.grad_norm = self.total_norm()
-            self.previous_norm = self.stats.grad_norm
+            norm = self.total_norm()
+            if self.measured_norm is not None and self.phase == "step":
+                if not torch.equal(norm, self.measured_norm):
+                    warnings.warn(
+                        f"the two backwards of clip_mode='two_pass' computed different gradients (global norm "
+                        f"{self.measured_norm.item()!r} measured, {norm.item()!r} stepped on): some kernel of the "
+                        "model is not deterministic (on CUDA: atomics in index_add, scatter, some convolutions). The "
+                        "step clipped with the measured norm. torch.use_deterministic_algorithms(True) makes both "
+                        "passes equal, or use clip_mode='exact'",
+                        UserWarning,
+                        stacklevel=2,
+                    )
+                norm = self.measured_norm
+            self.stats.grad_norm = norm
+            self.previous_norm = norm
         if self.scaler is not None:
             self.stats.overflow = bool(self._found_inf.item())
             _record_for_scaler(self.scaler, optimizer, self._found_inf)

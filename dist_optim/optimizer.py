@@ -82,6 +82,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         max_grad_norm: clip gradients by norm before stepping, in the way ``clip_mode`` says.
         clip_mode: ``"exact"``: ``clip_grad_norm_`` semantics on the global norm; the gradients of the whole
             step are held until backward ends (no memory saving, the norms are still measured as buckets complete).
+            ``"two_pass"``: the same result, keeping the memory saving, for the time of one more backward: call
+            :meth:`backward` in place of ``loss.backward()``; it measures the global norm in a first backward over
+            the retained graph (each gradient measured and freed), then clips and steps each bucket in a second.
             ``"per_parameter"``: each tensor clipped by its own norm, stepped at once. ``"previous_norm"``: each
             bucket clipped with the global norm of the previous step (no clipping on the first step).
         grad_norm_type: the norm's type, as for ``clip_grad_norm_``.
@@ -387,6 +390,79 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._micro_batches = 0
         return True
 
+    def backward(self, loss: torch.Tensor, gradient: torch.Tensor | None = None, *,
+                 retain_graph: bool | None = None) -> None:
+        """``loss.backward(gradient)``, and with ``clip_mode="two_pass"`` the exact global-norm clipping that keeps
+        the memory saving: a measuring backward over the retained graph (each bucket's gradients measured as they
+        complete, then freed; nothing stepped), the global norm and clipping coefficient, then the stepping
+        backward, which clips and steps each bucket as it completes. The result is ``clip_grad_norm_(params,
+        max_grad_norm); opt.step()``'s, bitwise when both backwards compute the same gradients (deterministic
+        kernels; a warning says when the two norms differ). Under DDP the first pass reduces too, so the norm is
+        of the averaged gradients; DDP's first iteration, in which DDP learns its bucket order from the backward
+        (``find_unused_parameters=False``), is one backward that holds the gradients as ``"exact"`` does. A
+        GradScaler overflow or a non-finite gradient (``nonfinite="skip"``) found by the first pass skips the step
+        without the second.
+
+        A backward that only accumulates (inside :meth:`no_step`, or before the last of ``accumulation_steps``)
+        is one plain backward; the window's last one, whose gradients partly live in ``.grad`` already, is one
+        backward that holds the gradients as ``clip_mode="exact"`` does (they are all alive anyway).
+
+        Args:
+            loss: the tensor to differentiate (a scalar unless ``gradient`` is given).
+            gradient: as for ``Tensor.backward``.
+            retain_graph: keep the graph after the last backward, as for ``Tensor.backward``.
+
+        Raises:
+            RuntimeError: called during a backward.
+            NotImplementedError: ``clip_mode="two_pass"`` with ``DistributedDataParallel(static_graph=True)``.
+
+        Example:
+            >>> import torch, dist_optim
+            >>> model = torch.nn.Linear(4, 2)
+            >>> opt = dist_optim.InBackwardOptimizer(model, torch.optim.SGD, lr=0.1, max_grad_norm=0.5,
+            ...                                      clip_mode="two_pass")
+            >>> opt.backward(model(torch.randn(8, 4)).square().mean())  # measures, then clips and steps
+            >>> model.weight.grad is None, bool(opt.last_step.clip_coef <= 1)
+            (True, True)
+        """
+        if torch._C._current_graph_task_id() != -1:
+            raise RuntimeError("opt.backward() was called during a backward")
+        policy = self._policy
+        ddp = self._ddp_hook
+        if (not policy.two_pass or self._no_step_depth or self._micro_batches + 1 < self._accumulation_steps
+                or (ddp is not None and not ddp.reduces())):  # only accumulates (DDP: forward under no_sync())
+            torch.autograd.backward(loss, gradient, retain_graph=retain_graph)
+            return
+        # Held in one backward, as exact clipping holds them: gradients of earlier micro-batches in .grad, which a
+        # measuring pass would free; DDP's first iteration, which learns its buckets from one backward.
+        if ((ddp is not None and ddp.learns_buckets())
+                or any(p.grad is not None for g in self.param_groups for p in g["params"])):
+            self._backward_in_phase("held", loss, gradient, retain_graph)
+            return
+        engine = self._engine
+        before = engine.backward
+        engine.measuring = True
+        try:
+            self._backward_in_phase("measure", loss, gradient, True)
+        finally:
+            engine.measuring = False
+        if engine.backward is before:
+            return  # no gradient hook ran (an FSDP2 backward without gradient sync): it only accumulated
+        if not policy.finish_measure():  # skipped, as scaler.step(opt) or nonfinite="skip" skip it
+            policy.end(self)
+            return
+        if ddp is not None:
+            ddp.expect_backward(loss)
+        self._backward_in_phase("step", loss, gradient, retain_graph)
+
+    def _backward_in_phase(self, phase: str, loss: torch.Tensor, gradient: torch.Tensor | None,
+                           retain_graph: bool | None) -> None:
+        self._policy.phase = phase
+        try:
+            torch.autograd.backward(loss, gradient, retain_graph=retain_graph)
+        finally:
+            self._policy.phase = ""
+
     @contextlib.contextmanager
     def no_step(self) -> Iterator[None]:
         """Backwards inside this context only accumulate gradients into ``.grad``: nothing is stepped or freed, and
@@ -460,7 +536,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
 
     @property
     def clip_mode(self) -> str:
-        """The configured ``clip_mode``: ``"exact"``, ``"per_parameter"`` or ``"previous_norm"``."""
+        """The configured ``clip_mode``: ``"exact"``, ``"two_pass"``, ``"per_parameter"`` or ``"previous_norm"``."""
         return self._policy_options["clip_mode"]
 
     @property

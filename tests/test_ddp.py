@@ -55,7 +55,15 @@ def _check_equal(a, b, opt, ref_opt):
             assert torch.equal(sd["state"][k][key], v), f"state[{k}][{key}]"
 
 
-def _train(a, b, opt, ref_opt, rank, steps=STEPS, micro=1, clip=None):
+def _backward(loss, opt=None):
+    """``opt.backward(loss)`` (the in-backward side with ``clip_mode="two_pass"``), else ``loss.backward()``."""
+    if opt is not None:
+        opt.backward(loss)
+    else:
+        loss.backward()
+
+
+def _train(a, b, opt, ref_opt, rank, steps=STEPS, micro=1, clip=None, two_pass=False):
     data = batches(steps * micro, width=WIDTH, seed=10 + rank)
     norms = []
     for s in range(steps):
@@ -64,10 +72,10 @@ def _train(a, b, opt, ref_opt, rank, steps=STEPS, micro=1, clip=None):
             last = m == micro - 1
             for model in (a, b):
                 if last:
-                    (loss_of(model, batch) / micro).backward()
+                    _backward(loss_of(model, batch) / micro, opt if two_pass and model is a else None)
                 else:
                     with model.no_sync():
-                        (loss_of(model, batch) / micro).backward()
+                        _backward(loss_of(model, batch) / micro, opt if two_pass and model is a else None)
         if clip is not None:
             norms.append(torch.equal(opt.grad_norm, nn.utils.clip_grad_norm_(b.parameters(), clip)))
         ref_opt.step()
@@ -109,7 +117,7 @@ def _unused_pair(static=False, **ddp_kwargs):
     return [DDP(copy.deepcopy(base), bucket_cap_mb=0.002, **ddp_kwargs) for _ in range(2)]
 
 
-def _train_unused(a, b, opt, ref_opt, rank, steps=4, micro=1, clip=None):
+def _train_unused(a, b, opt, ref_opt, rank, steps=4, micro=1, clip=None, two_pass=False):
     never = a.module.never.weight.detach().clone()
     data = batches(steps * micro, width=WIDTH, seed=10 + rank)
     norms = []
@@ -120,7 +128,8 @@ def _train_unused(a, b, opt, ref_opt, rank, steps=4, micro=1, clip=None):
                 context = model.no_sync() if m < micro - 1 else contextlib.nullcontext()
                 with context:
                     # micro-batches step on s * micro + m: a parameter used in an earlier one only is still used
-                    (nn.functional.mse_loss(model(x, s * micro + m), y) / micro).backward()
+                    _backward(nn.functional.mse_loss(model(x, s * micro + m), y) / micro,
+                              opt if two_pass and model is a else None)
         if clip is not None:
             norms.append(torch.equal(opt.grad_norm, nn.utils.clip_grad_norm_(b.parameters(), clip)))
         ref_opt.step()
@@ -130,7 +139,7 @@ def _train_unused(a, b, opt, ref_opt, rank, steps=4, micro=1, clip=None):
 
 
 def _parity(ctx, optimizer="AdamW-fused", ddp=None, ignore=(), compress=False, ib=None, unused=False,
-            static=False, steps=None, micro=1, clip=None):
+            static=False, steps=None, micro=1, clip=None, two_pass=False):
     """InBackwardOptimizer on one DDP copy, the standard loop on the other (same wrapping, same data per rank):
     parameters and optimizer state bitwise equal. ``unused``: the Branchy model (``static`` usage only)."""
     cls, kwargs = OPTIMIZERS[optimizer]
@@ -144,10 +153,13 @@ def _parity(ctx, optimizer="AdamW-fused", ddp=None, ignore=(), compress=False, i
         extra["ddp_comm_hook"] = fp16_compress_hook
     if clip is not None:
         extra["max_grad_norm"] = clip
+    if two_pass:
+        extra["clip_mode"] = "two_pass"
     opt = dist_optim.InBackwardOptimizer(a, cls, **extra, **kwargs)
     ref_opt = cls(b.named_parameters(), **kwargs)
     train = _train_unused if unused else _train
-    train(a, b, opt, ref_opt, ctx.rank, steps=steps or (4 if unused or static else STEPS), micro=micro, clip=clip)
+    train(a, b, opt, ref_opt, ctx.rank, steps=steps or (4 if unused or static else STEPS), micro=micro, clip=clip,
+          two_pass=two_pass)
     _check_equal(a, b, opt, ref_opt)
     if ignore:  # DDP does not reduce them: both loops step them on the local gradient
         heads = [torch.empty_like(a.module.head.weight) for _ in range(ctx.world)]
@@ -170,6 +182,10 @@ def _refusals(ctx):
             loss_of(a, batches(1, width=WIDTH)[0]).backward()
     with pytest.raises(NotImplementedError, match="cannot detach from a DistributedDataParallel model"):
         opt.remove()
+    static = DDP(make_model(width=WIDTH), static_graph=True)
+    opt = dist_optim.InBackwardOptimizer(static, cls, max_grad_norm=1.0, clip_mode="two_pass", **kwargs)
+    with pytest.raises(NotImplementedError, match=r"two_pass' with DDP\(static_graph=True\)"):
+        opt.backward(loss_of(static, batches(1, width=WIDTH)[0]))
 
 
 def _scenarios():
@@ -202,6 +218,13 @@ def _scenarios():
     yield "ignored_parameters", _parity, dict(ignore=("head.weight", "head.bias")), (2,)
     yield "fp16_compress_hook", _parity, dict(compress=True), (2,)
     yield "exact_clipping", _parity, dict(clip=0.05), (2,)
+    for name in ("AdamW-fused", "SGD-momentum"):
+        yield f"two_pass_clipping/{name}", _parity, dict(optimizer=name, clip=0.05, two_pass=True), both
+    yield "two_pass_clipping/not_clipping", _parity, dict(clip=1e3, two_pass=True), (2,)
+    yield "two_pass_clipping/find_unused", _parity, dict(unused, clip=0.05, two_pass=True), (2,)
+    yield "two_pass_clipping/no_sync_accumulation", _parity, dict(clip=0.05, two_pass=True, micro=2), (2,)
+    yield "two_pass_clipping/gradient_as_bucket_view", _parity, dict(
+        clip=0.05, two_pass=True, ddp=dict(gradient_as_bucket_view=True, bucket_cap_mb=0.002)), (2,)
     yield "refusals", _refusals, {}, (2,)
 
 

@@ -240,7 +240,7 @@ def test_telemetry_of_a_step():
     [
         (dict(max_grad_norm=0), "max_grad_norm must be a number > 0 or None, got 0"),
         (dict(max_grad_value=-1.0), "max_grad_value must be a number > 0 or None, got -1.0"),
-        (dict(clip_mode="global"), "clip_mode must be one of 'exact', 'per_parameter', 'previous_norm', got 'global'"),
+        (dict(clip_mode="global"), "clip_mode must be one of 'exact', 'two_pass', 'per_parameter', 'previous_norm', got 'global'"),
         (dict(overflow="skip"), "overflow must be one of 'exact', 'per_bucket', got 'skip'"),
         (dict(nonfinite="warn"), "nonfinite must be one of 'ignore', 'skip', 'raise', got 'warn'"),
         (dict(grad_norm_type=0), "grad_norm_type must be > 0"),
