@@ -26,6 +26,7 @@ from dist_optim._ddp import DDPCommHook, check_ddp, ddp_managed
 from dist_optim._engine import Engine, compiled_autograd_message
 from dist_optim._fingerprint import check_same_options, sharding_group
 from dist_optim._frameworks import Watch
+from dist_optim._fsdp2 import accumulated_unsharded, fsdp_units
 from dist_optim._grad_policy import GradPolicy, StepStats
 from dist_optim._inputs import (
     as_list,
@@ -192,6 +193,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._frozen = [
             (name, weakref.ref(p)) for name, p in params.named_parameters() if not p.requires_grad
         ] if isinstance(params, nn.Module) else []
+        # FSDP2 units, whose unsharded gradients accumulated without sync clip_mode="two_pass" must see
+        self._fsdp_units = fsdp_units(params) if isinstance(params, nn.Module) else None
         if isinstance(params, nn.Module):
             check_sparse_modules(params, optimizer_class)
             params = module_params(params)
@@ -414,7 +417,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
 
         Raises:
             RuntimeError: called during a backward.
-            NotImplementedError: ``clip_mode="two_pass"`` with ``DistributedDataParallel(static_graph=True)``.
+            NotImplementedError: ``clip_mode="two_pass"`` with ``DistributedDataParallel(static_graph=True)``, or
+                over DTensor parameters given as tensors rather than as the model.
 
         Example:
             >>> import torch, dist_optim
@@ -433,12 +437,19 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                 or (ddp is not None and not ddp.reduces())):  # only accumulates (DDP: forward under no_sync())
             torch.autograd.backward(loss, gradient, retain_graph=retain_graph)
             return
-        # Held in one backward, as exact clipping holds them: gradients of earlier micro-batches in .grad, which a
-        # measuring pass would free; DDP's first iteration, which learns its buckets from one backward.
+        # Held in one backward, as exact clipping holds them: gradients of earlier micro-batches in .grad (or in
+        # FSDP2's unsharded gradients, after backwards without sync), which a measuring pass would consume; DDP's
+        # first iteration, which learns its buckets from one backward.
         if ((ddp is not None and ddp.learns_buckets())
-                or any(p.grad is not None for g in self.param_groups for p in g["params"])):
+                or any(p.grad is not None for g in self.param_groups for p in g["params"])
+                or accumulated_unsharded(self._fsdp_units or [])):
             self._backward_in_phase("held", loss, gradient, retain_graph)
             return
+        if self._fsdp_units is None and any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
+            raise NotImplementedError(
+                "clip_mode='two_pass' over DTensor parameters given as tensors: build the optimizer from the model "
+                "(InBackwardOptimizer(model, ...)), so that it sees the gradients FSDP2 accumulates without sync"
+            )
         engine = self._engine
         before = engine.backward
         engine.measuring = True

@@ -148,9 +148,9 @@ def _train_in_backward(model, opt, data, *, accumulate: str = "", standard_calls
                 model.set_requires_gradient_sync(last)
             if accumulate == "no_step" and not last:
                 with opt.no_step():
-                    _micro_loss(model, batch, micro).backward()
+                    opt.backward(_micro_loss(model, batch, micro))
             else:
-                _micro_loss(model, batch, micro).backward()
+                opt.backward(_micro_loss(model, batch, micro))  # loss.backward(), but with clip_mode="two_pass"
         _check_stepped_in_backward(model, opt)
         if standard_calls:  # an unchanged standard loop: both calls must be harmless no-ops
             opt.step()
@@ -196,23 +196,23 @@ def _parity(
 
 
 # -- clipping and the gradient norm -------------------------------------------------------------------------------
-def _norm_parity(ctx, *, ib: dict, reference: Callable) -> None:
+def _norm_parity(ctx, *, ib: dict, reference: Callable, micro: int = 1, accumulate: str = "") -> None:
     """``reference(params, previous_norm)`` clips the standard side's gradients and returns the norm
     ``clip_grad_norm_`` reports (or ``None``); the in-backward side's ``grad_norm`` must equal it each step."""
     a, b, initial = _twins(ctx["mesh"])
     opt = dist_optim.InBackwardOptimizer(a, torch.optim.AdamW, bucket_cap_mb=TINY_BUCKETS, **ib, **ADAMW)
     ref = torch.optim.AdamW(b.named_parameters(), **ADAMW)
-    data = _data(ctx["rank"])
+    data = _data(ctx["rank"], micro=micro)
     norms: list = []
     for k, step in enumerate(data):
-        _train_in_backward(a, opt, [step])
+        _train_in_backward(a, opt, [step], accumulate=accumulate)
         ref_norm = None
 
         def clip():
             nonlocal ref_norm
             ref_norm = reference(list(b.parameters()), norms[-1] if norms else None)
 
-        _train_standard(b, ref, [step], before_step=clip)
+        _train_standard(b, ref, [step], before_step=clip, accumulate=accumulate)
         if ref_norm is not None:
             got = opt.grad_norm
             assert isinstance(got, DTensor), f"grad_norm is a {type(got).__name__}, not a DTensor"
@@ -416,6 +416,13 @@ def _two_rank_scenarios() -> list[tuple[str, Callable, dict]]:
     s.append(("clip/previous_norm", _norm_parity,
               dict(ib={"max_grad_norm": 0.05, "clip_mode": "previous_norm"}, reference=_clip_previous_norm)))
     s.append(("clip/max_grad_value", _norm_parity, dict(ib={"max_grad_value": 0.01}, reference=_clip_value)))
+    two_pass = {"max_grad_norm": 0.05, "clip_mode": "two_pass"}
+    s.append(("clip/two_pass", _norm_parity, dict(ib=two_pass, reference=_clip_exact)))
+    s.append(("clip/two_pass/per_parameter", _norm_parity, dict(ib={**two_pass, "per_parameter": True},
+                                                               reference=_clip_exact)))
+    for accumulate in ("sync", "no_step"):
+        s.append((f"clip/two_pass/accumulate-{accumulate}", _norm_parity,
+                  dict(ib=two_pass, reference=_clip_exact, micro=2, accumulate=accumulate)))
     for source, target in [("in-backward", "in-backward"), ("standard", "in-backward"), ("in-backward", "standard")]:
         s.append((f"state_dict/{source}-to-{target}", _round_trip, dict(source=source, target=target)))
     s.append(("seed-api/SGD-momentum-foreach", _seed_api, dict(sgd)))
@@ -436,6 +443,8 @@ def _four_rank_scenarios() -> list[tuple[str, Callable, dict]]:
         ("HSDP/AdamW/accumulate-set_requires_gradient_sync", _parity, dict(adamw, micro=2, accumulate="sync")),
         ("HSDP/AdamW/accumulate-no_step", _parity, dict(adamw, micro=2, accumulate="no_step")),
         ("HSDP/clip/max_grad_norm-exact", _norm_parity, dict(ib={"max_grad_norm": 0.05}, reference=_clip_exact)),
+        ("HSDP/clip/two_pass", _norm_parity, dict(ib={"max_grad_norm": 0.05, "clip_mode": "two_pass"},
+                                                 reference=_clip_exact)),
     ]
 
 
