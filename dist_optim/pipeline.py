@@ -62,8 +62,8 @@ def pipeline_optimizers(
         NotImplementedError: a zero-bubble schedule or a stage with a ``dw_builder`` (the weights' gradients are
             computed outside the hooks the step fires on); a DDP-wrapped stage (the schedule drives its reducer by
             hand); an FSDP2 stage in a schedule with several stages per rank, or DTensor parameters without
-            ``fully_shard`` at the stage's root; ``clip_mode="exact"`` or ``"previous_norm"`` with
-            ``max_grad_norm`` (both need the norm of every stage).
+            ``fully_shard`` at the stage's root; ``clip_mode="exact"``, ``"two_pass"`` or ``"previous_norm"``
+            with ``max_grad_norm`` (they need the norm of every stage).
         ValueError: ``accumulation_steps`` is given; ``schedule`` is not a pipelining schedule.
 
     Example:
@@ -232,15 +232,16 @@ def _check_full_backward(schedule: Any, stages: list[Any]) -> None:
 
 def _check_clipping(kwargs: dict[str, Any]) -> None:
     mode = kwargs.get("clip_mode", "exact")
-    if kwargs.get("max_grad_norm") is None or mode not in ("exact", "previous_norm"):
+    if kwargs.get("max_grad_norm") is None or mode not in ("exact", "two_pass", "previous_norm"):
         return
-    why = (
-        "the last stage runs its last backward (where it steps) before the first stage's has started, so the "
-        "total norm is known on no stage when it steps, and waiting for it there would deadlock the schedule"
-        if mode == "exact" else
-        "each stage's optimizer measures the norm of its own stage only, so it would clip with a stage's norm "
-        "instead of the model's"
-    )
+    why = {
+        "exact": "the last stage runs its last backward (where it steps) before the first stage's has started, so "
+                 "the total norm is known on no stage when it steps, and waiting for it there would deadlock the "
+                 "schedule",
+        "two_pass": "the schedule runs the backwards, which opt.backward(loss) would have to run twice",
+        "previous_norm": "each stage's optimizer measures the norm of its own stage only, so it would clip with a "
+                         "stage's norm instead of the model's",
+    }[mode]
     raise NotImplementedError(
         f"clip_mode={mode!r} with max_grad_norm under pipelining: the norm covers every stage, and {why}. Use "
         "clip_mode='per_parameter', or a standard optimizer with clipping after schedule.step()"

@@ -42,8 +42,9 @@ Options that change the training loop:
   2; ranks ``[0, world / S)`` hold stage 0); each of the world / S pipelines takes its part of the global batch, as
   under ``--parallel fsdp2``, and the loss logged is their mean. Same refusals; checkpoints/stage{s} is saved by
   every rank of the stage.
-- ``--max-grad-norm C [--clip-mode exact|per_parameter|previous_norm]``: clipping (docs/clipping.md); ``exact``
-  holds the step's gradients until backward ends and so gives up the memory saving.
+- ``--max-grad-norm C [--clip-mode exact|two_pass|per_parameter|previous_norm]``: clipping (docs/clipping.md);
+  ``exact`` holds the step's gradients until backward ends and so gives up the memory saving; ``two_pass`` gives
+  the same result and keeps the saving, for the time of a second backward.
 - ``--checkpoint-every N`` and ``--resume latest`` (or a checkpoint path, or a step number): checkpoints go to
   RUN_DIR/checkpoints and resume on any number of processes; a resumed run gives the losses of an uninterrupted one.
   A resume keeps the model's shape (changing ``--n-embd`` etc. is refused) and applies every other option given

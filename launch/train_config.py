@@ -55,7 +55,7 @@ class TrainConfig:
     max_grad_norm: float | None = _opt(None, "clip gradients to this global norm (off by default)")
     clip_mode: str = _opt("exact", "how --max-grad-norm clips in backward (docs/clipping.md); the standard loop "
                                     "does the same arithmetic",
-                          ("exact", "per_parameter", "previous_norm"))
+                          ("exact", "two_pass", "per_parameter", "previous_norm"))
     track_grad_norm: bool = _opt(False, "log the gradient norm every step even without clipping (one more read of "
                                         "the gradients)")
     optimizer_mode: str = _opt("in_backward", "in_backward: dist_optim.InBackwardOptimizer; standard: "

@@ -145,7 +145,10 @@ class Job:
             x, y = x.to(self.rt.device), y.to(self.rt.device)
             with sync_context(self.model, self.parallel, j == len(micro) - 1):
                 loss = loss_fn(self.model(x), y) / len(micro)
-                loss.backward()  # in_backward mode: the last micro-batch's backward steps AdamW
+                if self.mode == "in_backward":
+                    self.opt.backward(loss)  # the last micro-batch's backward steps AdamW (two_pass: two of them)
+                else:
+                    loss.backward()
             total += loss.detach()
         if self.mode == "standard":
             norm = self._clip_standard()
@@ -174,7 +177,7 @@ class Job:
         if cfg.track_grad_norm or (c is not None and mode != "per_parameter"):
             norm = nn.utils.get_total_norm([p.grad for p in params])
         if c is not None:
-            if mode == "exact":
+            if mode in ("exact", "two_pass"):
                 nn.utils.clip_grads_with_norm_(params, c, norm)
             elif mode == "per_parameter":
                 for p in params:

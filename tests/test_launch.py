@@ -127,6 +127,14 @@ def test_ddp_compare_in_backward_equals_standard(tmp_path):
     _check_report(tmp_path, "cmp", "ddp")
 
 
+@pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
+def test_two_pass_clipping_compares_bitwise(parallel, tmp_path):
+    out = _train(tmp_path, "cmp", "--parallel", parallel, "--max-grad-norm", "0.05", "--clip-mode", "two_pass",
+                 "--compare", nproc=2)
+    _check_report(tmp_path, "cmp", parallel)
+    assert "losses max |diff| 0" in out.stderr
+
+
 def test_fsdp2_compare_then_resume_on_two_and_on_one_process(tmp_path):
     opts = ["--accumulation-steps", "2", "--max-grad-norm", "0.5", "--clip-mode", "per_parameter"]
     out = _train(tmp_path, "cmp", *opts, "--compare", nproc=2)  # FSDP2 is the default on 2 processes

@@ -334,6 +334,7 @@ def test_guard_refuses_a_replaced_multiplier(ranks):
     ({"accumulation_steps": 4}, ValueError, "the schedule's micro-batch count sets it"),
     ({"max_grad_norm": 1.0}, NotImplementedError, "clip_mode='exact'.*deadlock"),
     ({"max_grad_norm": 1.0, "clip_mode": "previous_norm"}, NotImplementedError, "its own stage only"),
+    ({"max_grad_norm": 1.0, "clip_mode": "two_pass"}, NotImplementedError, "which opt.backward\\(loss\\) would have to run twice"),
 ])
 def test_refused_options(options, error, match):
     with pytest.raises(error, match=match):
