@@ -61,11 +61,11 @@ def owner_of(params: Iterable[torch.Tensor], optimizers: Iterable[InBackwardOpti
 
 def check_norm_clip(opt: InBackwardOptimizer, max_norm: float, norm_type: float, caller: str) -> torch.Tensor:
     """``caller`` asked to clip ``opt``'s gradients by norm after backward, where the step already ran: it is
-    exact only if ``opt`` clipped in the same way inside backward. Returns the norm ``clip_grad_norm_`` would have
+    exact only if ``opt`` clipped in the same way inside backward (``"exact"`` or ``"two_pass"``). Returns the norm ``clip_grad_norm_`` would have
     returned. ``max_norm=inf`` only measures, whatever ``opt`` clips with."""
     max_norm, norm_type = float(max_norm), float(norm_type)
     measuring = math.isinf(max_norm)
-    if not measuring and (opt.max_grad_norm != max_norm or opt.clip_mode != "exact"):
+    if not measuring and (opt.max_grad_norm != max_norm or opt.clip_mode not in ("exact", "two_pass")):
         raise ValueError(
             f"{caller}(max_norm={max_norm}) runs after backward, where the InBackwardOptimizer has already stepped "
             f"with max_grad_norm={opt.max_grad_norm}, clip_mode={opt.clip_mode!r}: the clipping must be set on the "
@@ -97,12 +97,14 @@ def check_value_clip(opt: InBackwardOptimizer, clip_value: float, caller: str) -
         )
 
 
-def clipping_options(value: float | None, algorithm: str) -> dict[str, Any]:
-    """``configure_clipping`` options for a framework's ``(clip value, "norm" | "value")`` setting."""
+def clipping_options(value: float | None, algorithm: str, opt: InBackwardOptimizer) -> dict[str, Any]:
+    """``configure_clipping`` options for a framework's ``(clip value, "norm" | "value")`` setting: clipping by
+    norm is exact, in ``opt``'s ``"two_pass"`` mode where it was built with it, else ``"exact"``."""
     if not value:
         return dict(max_grad_norm=None, max_grad_value=None)
     if algorithm == "norm":
-        return dict(max_grad_norm=float(value), clip_mode="exact", max_grad_value=None)
+        mode = "two_pass" if opt.clip_mode == "two_pass" else "exact"
+        return dict(max_grad_norm=float(value), clip_mode=mode, max_grad_value=None)
     if algorithm == "value":
         return dict(max_grad_norm=None, max_grad_value=float(value))
     raise NotImplementedError(f"gradient clipping algorithm {algorithm!r} has no in-backward equivalent; use 'norm' "

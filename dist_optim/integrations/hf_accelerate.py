@@ -29,6 +29,9 @@ class InBackwardAccelerator(Accelerator):
       step ran before this call; otherwise it raises, naming the fix. ``max_norm=inf`` only measures (it needs
       ``track_grad_norm=True`` or a ``max_grad_norm``).
     - ``clip_grad_value_(params, clip_value)`` checks the optimizer's ``max_grad_value`` in the same way.
+    - ``backward(loss)`` with an optimizer built with ``clip_mode="two_pass"``: the window's last backward is the
+      optimizer's two (:meth:`~dist_optim.InBackwardOptimizer.backward`): exact clipping with the memory saving,
+      for the time of one more backward; ``clip_mode="exact"`` holds the gradients instead, in one backward.
     - ``prepare(model, opt)`` with one model: the optimizer combines the global norm in ``model.parameters()``
       order (``grad_norm_order``, unless it was given one), as ``clip_grad_norm_(model.parameters(), ...)`` would,
       so that norm and clipping are bitwise the standard loop's.
@@ -76,10 +79,26 @@ class InBackwardAccelerator(Accelerator):
         return tuple(self._in_backward)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        if self.sync_gradients or not self._in_backward:
+        if not self._in_backward:
             return super().backward(loss, **kwargs)
-        with accumulating(self._in_backward):
+        if not self.sync_gradients:
+            with accumulating(self._in_backward):
+                return super().backward(loss, **kwargs)
+        two_pass = [opt for opt in self._in_backward if opt.clip_mode == "two_pass" and opt.max_grad_norm is not None]
+        if not two_pass:
             return super().backward(loss, **kwargs)
+        if len(self._in_backward) > 1 or self.distributed_type in ("DEEPSPEED", "MEGATRON_LM"):
+            raise NotImplementedError(
+                f"clip_mode='two_pass' with {len(self._in_backward)} prepared in-backward optimizers under "
+                f"{self.distributed_type}: its two backwards run through one optimizer's backward(); prepare one "
+                "InBackwardOptimizer (param groups may differ), without DeepSpeed or Megatron-LM"
+            )
+        # what Accelerator.backward does before loss.backward(): the mean over the window, the scaler's scale
+        loss = loss / self.gradient_accumulation_steps
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        two_pass[0].backward(loss, **kwargs)
+        return None
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
         parameters = list(parameters)

@@ -15,6 +15,7 @@ from transformers import Trainer
 from dist_optim._factory import in_backward
 from dist_optim._frameworks import register_adapter
 from dist_optim.integrations._common import clipping_options, unwrap
+from dist_optim.integrations.hf_accelerate import InBackwardAccelerator
 from dist_optim.optimizer import InBackwardOptimizer
 
 __all__ = ["InBackwardTrainer"]
@@ -38,7 +39,9 @@ class InBackwardTrainer(Trainer):
           ``False``) run under ``opt.no_step()``; the window's last backward steps, also for a short last window.
         - ``max_grad_norm > 0``: ``opt.configure_clipping(max_grad_norm=..., clip_mode="exact")`` before training
           (the Trainer's own ``clip_grad_norm_`` call then finds no gradients and changes nothing); ``0`` or
-          ``None``: no clipping.
+          ``None``: no clipping. ``in_backward_options={"clip_mode": "two_pass"}`` (or an optimizer built with
+          it) keeps the memory saving for the time of one more backward: the Trainer's accelerator then runs the
+          optimizer's two backwards (:class:`~dist_optim.integrations.hf_accelerate.InBackwardAccelerator`'s).
         - the logged ``grad_norm``: ``opt.grad_norm`` (left out of the logs when the optimizer does not measure it),
           combined in ``model.parameters()`` order (``grad_norm_order``) as the Trainer's ``clip_grad_norm_``
           combines it, so that norm and clipping are bitwise the Trainer's.
@@ -87,8 +90,15 @@ class InBackwardTrainer(Trainer):
         opt = unwrap(self.optimizer)
         if opt is not None:
             # the Trainer measures (and clips) clip_grad_norm_(model.parameters()): its order, not the groups'
-            opt.configure_clipping(**clipping_options(self.args.max_grad_norm, "norm"),
+            opt.configure_clipping(**clipping_options(self.args.max_grad_norm, "norm", opt),
                                    grad_norm_order=(self.model if model is None else model).parameters())
+            if opt.clip_mode == "two_pass" and not isinstance(self.accelerator, InBackwardAccelerator):
+                # The Trainer's own Accelerator runs loss.backward(), one backward; InBackwardAccelerator's runs the
+                # optimizer's two. It joins the Trainer's accelerator class (its state is the Trainer's), before
+                # the Trainer prepares the optimizer through it.
+                base = type(self.accelerator)
+                self.accelerator.__class__ = type(f"InBackward{base.__name__}", (InBackwardAccelerator, base), {})
+                self.accelerator._in_backward = []
         return self.optimizer
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:

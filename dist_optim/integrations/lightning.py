@@ -17,7 +17,7 @@ from dist_optim._frameworks import register_adapter
 from dist_optim.integrations._common import accumulating, clipping_options, unwrap
 from dist_optim.optimizer import InBackwardOptimizer
 
-__all__ = ["InBackwardCallback"]
+__all__ = ["InBackwardCallback", "TwoPassBackward"]
 
 
 @register_adapter
@@ -27,7 +27,9 @@ class InBackwardCallback(Callback):
     - ``accumulate_grad_batches=N``: the batches where Lightning would not step (it steps on every N-th batch of
       an epoch and on its last one) run their backward under ``opt.no_step()``, so the in-backward step comes on
       the same batches as Lightning's ``optimizer.step()``.
-    - ``gradient_clip_val=v``: ``opt.configure_clipping(max_grad_norm=v, clip_mode="exact")``, or
+    - ``gradient_clip_val=v``: ``opt.configure_clipping(max_grad_norm=v, clip_mode="exact")`` (``"two_pass"``
+      if the optimizer was built with it, which keeps the memory saving for the time of one more backward: the
+      module then derives from :class:`TwoPassBackward`), or
       ``max_grad_value=v`` with ``gradient_clip_algorithm="value"``, set when fitting starts. While fitting,
       ``trainer.gradient_clip_val`` reads ``None``, since Lightning's own clipping would come after the step and find
       no gradients; it is put back when fitting ends.
@@ -61,9 +63,15 @@ class InBackwardCallback(Callback):
             return
         algorithm = trainer.gradient_clip_algorithm
         algorithm = "norm" if algorithm is None else str(getattr(algorithm, "value", algorithm))
-        options = clipping_options(trainer.gradient_clip_val, algorithm)
         for opt in opts:
-            opt.configure_clipping(**options)
+            opt.configure_clipping(**clipping_options(trainer.gradient_clip_val, algorithm, opt))
+        if any(opt.clip_mode == "two_pass" and opt.max_grad_norm is not None for opt in opts) and not isinstance(
+                pl_module, TwoPassBackward):
+            raise NotImplementedError(
+                f"an InBackwardOptimizer with clip_mode='two_pass' needs its two backwards, which Lightning runs as "
+                f"one (LightningModule.backward): derive {type(pl_module).__name__} from "
+                "dist_optim.integrations.lightning.TwoPassBackward, or build the optimizer with clip_mode='exact'"
+            )
         if trainer.gradient_clip_val:
             self._clip_val, trainer.gradient_clip_val = trainer.gradient_clip_val, None
 
@@ -120,3 +128,30 @@ def _steps_on_this_batch(trainer: Trainer) -> bool:
         or ready == trainer.num_training_batches
         or progress.is_last_batch
     )
+
+
+class TwoPassBackward:
+    """A mixin for a ``LightningModule`` whose ``InBackwardOptimizer`` clips with ``clip_mode="two_pass"``:
+    Lightning's backward (``LightningModule.backward``) becomes the optimizer's two
+    (:meth:`~dist_optim.InBackwardOptimizer.backward`), on the loss Lightning hands over (already scaled by its
+    precision plugin). Other optimizers backward as usual.
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> from dist_optim.integrations.lightning import TwoPassBackward
+        >>> class Module(TwoPassBackward, pl.LightningModule):  # TwoPassBackward first: its backward wins
+        ...     pass
+    """
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        opts = [opt for opt in map(unwrap, self.trainer.optimizers)
+                if opt is not None and opt.clip_mode == "two_pass" and opt.max_grad_norm is not None]
+        if not opts:
+            return super().backward(loss, *args, **kwargs)  # type: ignore[misc]
+        if len(opts) > 1:
+            raise NotImplementedError(
+                f"{len(opts)} optimizers with clip_mode='two_pass': their backwards would run each other's "
+                "steps; use one InBackwardOptimizer (its param groups may differ)"
+            )
+        opts[0].backward(loss)
+        return None

@@ -75,6 +75,17 @@ def test_adapter_equals_the_standard_loop(accum, clip):
     assert len(norms) == len(ref_norms) and all(torch.equal(a, b) for a, b in zip(norms, ref_norms))
 
 
+@pytest.mark.parametrize("accum", [1, 4])
+def test_two_pass_clipping_equals_the_standard_loop(accum):
+    ref, ref_opt, ref_norms = run(Accelerator, False, accum, "norm")
+    reset_accelerate()
+    model, opt, norms = run(InBackwardAccelerator, True, accum, "norm", clip_mode="two_pass")
+    assert_same_params(model, ref)
+    assert_same_state(opt.state_dict(), ref_opt.state_dict())
+    assert max(n.item() for n in ref_norms) > 1.0  # the clipping fired
+    assert len(norms) == len(ref_norms) and all(torch.equal(a, b) for a, b in zip(norms, ref_norms))
+
+
 def reset_accelerate() -> None:
     AcceleratorState._reset_state(True)
     GradientState._reset_state()

@@ -86,6 +86,18 @@ def test_adapter_equals_the_standard_trainer(tmp_path, options):
         assert max(ref[1]) > options.get("max_grad_norm", 1.0)  # the clipping bit
 
 
+@pytest.mark.parametrize("options", [{}, {"gradient_accumulation_steps": 4, "max_grad_norm": 0.3}],
+                         ids=["defaults", "accum4-clip0.3"])
+def test_two_pass_clipping_equals_the_standard_trainer(tmp_path, options):
+    ref = train(Trainer, tmp_path, **options)
+    run = train(functools.partial(InBackwardTrainer, in_backward_options={"clip_mode": "two_pass"}), tmp_path,
+                **options)
+    opt = run[0].optimizer.optimizer
+    assert opt.clip_mode == "two_pass" and opt.max_grad_norm == options.get("max_grad_norm", 1.0)
+    assert_same_run(run, ref)
+    assert max(ref[1]) > options.get("max_grad_norm", 1.0)  # the clipping bit
+
+
 def test_checkpoint_and_resume(tmp_path):
     ref = train(Trainer, tmp_path / "ref", gradient_accumulation_steps=2)
     train(InBackwardTrainer, tmp_path / "a", gradient_accumulation_steps=2, save_strategy="steps", save_steps=2)

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from dist_optim import InBackwardOptimizer  # noqa: E402
-from dist_optim.integrations.lightning import InBackwardCallback  # noqa: E402
+from dist_optim.integrations.lightning import InBackwardCallback, TwoPassBackward  # noqa: E402
 from helpers import assert_same_params, assert_same_state, make_model  # noqa: E402
 
 ADAMW = dict(lr=5e-2, weight_decay=0.1, fused=True)
@@ -93,6 +93,25 @@ def test_callback_equals_the_standard_fit(tmp_path, case):
     assert run[1].gradient_clip_val == CASES[case].get("gradient_clip_val")  # given back after fit
     if "clip-norm" in case:
         assert max(logged_norms(ref[1])) > CASES[case]["gradient_clip_val"]  # the clipping bit
+
+
+class TwoPassModule(TwoPassBackward, Module):
+    pass
+
+
+@pytest.mark.parametrize("case", ["clip-norm", "accum4-clip-norm"])
+def test_two_pass_clipping_equals_the_standard_fit(tmp_path, case):
+    ref = fit(tmp_path / "ref", False, **CASES[case])
+    module = TwoPassModule(True, clip_mode="two_pass", max_grad_norm=1.0)
+    run = fit(tmp_path / "run", True, module=module, **CASES[case])
+    assert run[1].optimizers[0].clip_mode == "two_pass"
+    assert_same_fit(run, ref)
+    assert max(logged_norms(ref[1])) > CASES[case]["gradient_clip_val"]  # the clipping bit
+
+
+def test_two_pass_without_the_mixin_is_refused(tmp_path):
+    with pytest.raises(NotImplementedError, match="derive Module from dist_optim.integrations.lightning.TwoPass"):
+        fit(tmp_path, True, module=Module(True, clip_mode="two_pass", max_grad_norm=1.0), gradient_clip_val=1.0)
 
 
 def test_checkpoint_and_resume(tmp_path):
