@@ -192,3 +192,37 @@ def test_plain_backward_without_two_pass_is_loss_backward():
         ref_opt.step()
         ref_opt.zero_grad()
     assert_same_params(model, ref)
+
+
+def test_a_standard_step_on_gradients_set_by_hand_clips_exactly():
+    model, ref = twins()
+    opt = InBackwardOptimizer(model, torch.optim.SGD, max_grad_norm=0.05, clip_mode="two_pass", **SGD_MOMENTUM)
+    ref_opt = torch.optim.SGD(ref.named_parameters(), **SGD_MOMENTUM)
+    opt.remove()  # gradients now stay in .grad; step() steps them
+    for batch in batches(2):
+        loss_of(model, batch).backward()
+        loss_of(ref, batch).backward()
+        opt.step()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert_same_params(model, ref)
+
+
+def test_configure_clipping_switches_to_two_pass_between_steps():
+    model, ref = twins()
+    opt = InBackwardOptimizer(model, torch.optim.AdamW, **ADAMW)
+    ref_opt = torch.optim.AdamW(ref.named_parameters(), **ADAMW)
+    for k, batch in enumerate(batches(4)):
+        if k == 2:
+            opt.configure_clipping(max_grad_norm=0.05, clip_mode="two_pass")
+        opt.backward(loss_of(model, batch))
+        loss_of(ref, batch).backward()
+        if k >= 2:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert opt.clip_mode == "two_pass" and opt.last_step.clip_coef < 1
+    assert_same_params(model, ref)
+    assert_same_state(opt.state_dict(), ref_opt.state_dict())
