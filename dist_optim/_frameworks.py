@@ -90,11 +90,19 @@ class Watch:
             if logs and not self.warned:
                 self.warned = True
                 warnings.warn(
-                    f"{type(opt).__name__} in {framework} without its adapter: {'; '.join(logs)}. Use {adapter} to "
-                    f"log the norm measured in backward ({_DOCS})",
+                    f"{type(opt).__name__} in {framework} without its adapter: {'; '.join(logs)}. Or use {adapter}, "
+                    f"which reports what the optimizer did in backward ({_DOCS})",
                     UserWarning,
                     stacklevel=4,
                 )
+
+
+def adapted_framework_above(frame: types.FrameType | None) -> bool:
+    """Whether a framework object on the stack above ``frame`` has its adapter (a Lightning ``Trainer`` with
+    ``InBackwardCallback``, whose ``optimizer.step(closure)`` runs the step's backward in the closure, to step in it)."""
+    predicates = _loaded()
+    found = _find(frame, predicates) if predicates else {}
+    return bool(found) and _adapted(found)
 
 
 def _loaded() -> dict[str, Callable[[Any], bool]]:
@@ -198,11 +206,39 @@ def _lightning(trainer: Any, opt: Any, point: str) -> tuple[str, str, list[str],
             "Trainer(callbacks=[...])", wrong, [])
 
 
+def _loop_names(obj: Any) -> set[str]:
+    """The names the code that called a method of ``obj`` refers to (the training loop around
+    ``accelerator.backward(loss)``), read from the stack; empty if not found."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_argcount and frame.f_code.co_varnames[0] == "self" and frame.f_locals.get("self") is obj:
+            caller = frame.f_back
+            return set(caller.f_code.co_names) if caller is not None else set()
+        frame = frame.f_back
+    return set()
+
+
 def _accelerate(accelerator: Any, opt: Any, point: str) -> tuple[str, str, list[str], list[str]]:
-    """``accelerate.Accelerator``: a backward it does not sync (``accumulate()``) must not step."""
-    # accelerate has no clipping setting: clip_grad_norm_/clip_grad_value_ are called by the loop after the step,
-    # and nothing records them before. Its accumulation shows at the backward it marks as not syncing.
-    wrong = []
+    """``accelerate.Accelerator``: a backward it does not sync (``accumulate()``) must not step; clipping the loop
+    calls after backward (accelerate has no clipping setting, so the loop's code is read for the calls)."""
+    wrong, logs = [], []
+    # Read from the loop's code, so a call in a branch that never runs is named too: a warning, not a refusal.
+    loop = _loop_names(accelerator) if point == "backward" else set()
+    if "clip_grad_value_" in loop:
+        logs.append(
+            "the loop's code calls accelerator.clip_grad_value_, which after backward finds no gradient (this "
+            "optimizer has stepped on them and freed them), and torch's clip_grad_value_ fails on the empty list "
+            "('Expected !nested_tensorlist[0].empty()'): drop the call, "
+            + ("the optimizer's max_grad_value clamps inside backward" if opt.max_grad_value is not None else
+               "and give the optimizer max_grad_value=<its clip_value>")
+        )
+    if "clip_grad_norm_" in loop:
+        logs.append(
+            "the loop's code calls accelerator.clip_grad_norm_, which after backward finds no gradient, clips nothing "
+            "and returns 0.0: " + ("the optimizer's max_grad_norm clips inside backward and opt.grad_norm is the norm"
+                                   if opt.max_grad_norm is not None else
+                                   "give the optimizer max_grad_norm=<its max_norm> and drop the call")
+        )
     if point == "backward" and not accelerator.sync_gradients:
         k = accelerator.gradient_accumulation_steps
         wrong.append(
@@ -210,7 +246,7 @@ def _accelerate(accelerator: Any, opt: Any, point: str) -> tuple[str, str, list[
             "one that only accumulates (accelerator.sync_gradients is False), but this optimizer steps in it "
             f"(accumulation_steps={opt.accumulation_steps}): pass accumulation_steps={k} to the optimizer"
         )
-    return ("accelerate.Accelerator", "dist_optim.integrations.hf_accelerate.InBackwardAccelerator", wrong, [])
+    return ("accelerate.Accelerator", "dist_optim.integrations.hf_accelerate.InBackwardAccelerator", wrong, logs)
 
 
 def _torchtune(recipe: Any, opt: Any, point: str) -> tuple[str, str, list[str], list[str]]:

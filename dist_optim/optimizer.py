@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 from dist_optim._ddp import DDPCommHook, check_ddp, ddp_managed
 from dist_optim._engine import Engine, compiled_autograd_message
 from dist_optim._fingerprint import check_same_options, sharding_group
-from dist_optim._frameworks import Watch
+from dist_optim._frameworks import Watch, adapted_framework_above
 from dist_optim._fsdp2 import accumulated_unsharded, fsdp_units
 from dist_optim._grad_policy import GradPolicy, StepStats
 from dist_optim._inputs import (
@@ -44,6 +44,7 @@ __all__: list[str] = []
 
 DEFAULT_BUCKET_CAP_MB = 4.0
 _UNCHANGED = object()
+_NOT_GIVEN: Any = object()  # params and optimizer_class are required; a clear error says so
 
 
 class InBackwardOptimizer(torch.optim.Optimizer):
@@ -137,8 +138,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
 
     def __init__(
         self,
-        params: Any,
-        optimizer_class: type[torch.optim.Optimizer],
+        params: Any = _NOT_GIVEN,
+        optimizer_class: type[torch.optim.Optimizer] = _NOT_GIVEN,
         *,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         per_parameter: bool = False,
@@ -158,6 +159,15 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         strict: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
+        if params is _NOT_GIVEN or optimizer_class is _NOT_GIVEN:
+            missing = " and ".join(n for n, v in (("params", params), ("optimizer_class", optimizer_class))
+                                   if v is _NOT_GIVEN)
+            raise TypeError(
+                f"InBackwardOptimizer() got no {missing}: it is built as InBackwardOptimizer(params, optimizer_class, "
+                "**options). A framework that calls a factory without arguments (HF Trainer's "
+                "optimizer_cls_and_kwargs=(functools.partial(InBackwardOptimizer, ...), ...)) needs an optimizer "
+                "class instead: dist_optim.in_backward(torch.optim.AdamW, **engine_options)"
+            )
         check_optimizer_class(optimizer_class)
         if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
@@ -647,7 +657,12 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         :meth:`remove`) are stepped here exactly like the wrapped optimizer would, with step hooks.
 
         Args:
-            closure: optional; called with grad enabled, and its ``backward()`` steps in the usual way.
+            closure: optional; called with grad enabled. As in ``torch.optim``, the step uses exactly the
+                gradients the closure leaves (it may set ``.grad`` after its backward): the closure's backwards
+                only accumulate, as under :meth:`no_step`, and this call steps what they left, so the gradients
+                are held until then (no memory saving). Under a framework's adapter whose closure runs the step's
+                backward (Lightning with ``InBackwardCallback``), and under DDP, which reduces in every backward,
+                the closure's backward steps in backward instead.
 
         Returns:
             The closure's result, or ``None``.
@@ -659,8 +674,12 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._check_steps_since_step()
         loss = None
         if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+            if self._ddp_hook is not None or adapted_framework_above(sys._getframe(1)):
+                with torch.enable_grad():
+                    loss = closure()
+            else:
+                with torch.enable_grad(), self.no_step():
+                    loss = closure()
         if any(p.grad is not None for g in self.param_groups for p in g["params"]):
             self._micro_batches = 0
             # one bucket of every tensor, unscaled/checked/clipped, then stepped or skipped, as in backward

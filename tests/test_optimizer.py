@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 from torch.optim.lr_scheduler import (
     ChainedScheduler,
     CosineAnnealingLR,
@@ -345,3 +346,64 @@ def test_configure_clipping_equals_giving_the_options_at_construction():
     with pytest.raises(ValueError, match="clip_mode must be one of"):
         opt.configure_clipping(clip_mode="global")
     assert opt.clip_mode == "exact"  # a refused change leaves the options as they were
+
+
+def _rosenbrock(t: torch.Tensor) -> torch.Tensor:
+    x, y = t
+    return (1 - x) ** 2 + 100 * (y - x**2) ** 2
+
+
+def _drosenbrock(t: torch.Tensor) -> torch.Tensor:
+    x, y = t
+    return torch.stack((-400 * x * (y - x**2) - 2 * (1 - x), 200 * (y - x**2)))
+
+
+def _rosenbrock_sparse(make_opt) -> torch.Tensor:
+    """torch's test_optim ``test_rosenbrock_sparse``: the closure's backward, then sparse gradients set by hand."""
+    params = torch.tensor([1.5, 1.5], dtype=torch.float64, requires_grad=True)
+    opt = make_opt([params])
+    for i in range(100):
+        def closure():
+            opt.zero_grad()
+            loss = _rosenbrock(params)
+            loss.backward()
+            g = _drosenbrock(params.detach())
+            k = i % 2
+            params.grad = torch.sparse_coo_tensor(torch.tensor([[k]]), g[k:k + 1], (2,))
+            return loss
+
+        opt.step(closure)
+    return params.detach()
+
+
+def test_a_closure_that_sets_gradients_after_its_backward_steps_on_them():
+    # As torch.optim: the step uses exactly the gradients the closure leaves (here sparse, set after its backward,
+    # which only accumulated); both sides take Adagrad's for-loop, the one path torch has for sparse gradients.
+    got = _rosenbrock_sparse(lambda p: InBackwardOptimizer(p, torch.optim.Adagrad, lr=0.1))
+    want = _rosenbrock_sparse(lambda p: torch.optim.Adagrad(p, lr=0.1))
+    assert torch.equal(got, want) and not torch.equal(got, torch.tensor([1.5, 1.5], dtype=torch.float64))
+
+
+def test_the_closure_s_backward_only_accumulates_and_step_steps_once():
+    model, ref = twins()
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, foreach=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, foreach=True)
+    stepped = []
+    opt.register_bucket_step_hook(lambda o, params: stepped.append(len(params)))
+    for batch in batches(2):
+        def closure(m=model, o=opt, b=batch):
+            o.zero_grad()
+            for half in (b[0][:3], b[0][3:]):  # two backwards in one closure: their sum is stepped, once
+                nn.functional.mse_loss(m(half), b[1][:3]).backward()
+            return None
+
+        def ref_closure(m=ref, o=ref_opt, b=batch):
+            o.zero_grad()
+            for half in (b[0][:3], b[0][3:]):
+                nn.functional.mse_loss(m(half), b[1][:3]).backward()
+            return None
+
+        opt.step(closure)
+        ref_opt.step(ref_closure)
+    assert stepped == [10, 10]  # one standard step per step() call, all tensors at once
+    assert_same_params(model, ref)

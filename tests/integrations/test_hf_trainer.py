@@ -118,6 +118,13 @@ def test_the_class_factory_works_as_optimizer_cls_and_kwargs(tmp_path):
     assert_same_run(run, ref)
 
 
+def test_a_partial_of_the_optimizer_names_the_class_factory(tmp_path):
+    # the Trainer calls a non-class optimizer_cls as a factory without arguments
+    partial = functools.partial(dist_optim.InBackwardOptimizer, optimizer_class=torch.optim.AdamW)
+    with pytest.raises(TypeError, match=r"got no params.*dist_optim.in_backward\(torch.optim.AdamW"):
+        train(Trainer, tmp_path, max_grad_norm=0.0, optimizer_cls_and_kwargs=(partial, FUSED_ADAMW))
+
+
 def test_an_optimizer_that_cannot_step_in_backward_is_refused(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     trainer = InBackwardTrainer(model=tiny_llama(), args=args, train_dataset=dataset(),

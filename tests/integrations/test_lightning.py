@@ -141,3 +141,45 @@ def test_naive_swap_without_accumulation_or_clipping_is_exact(tmp_path):
     run = fit(tmp_path / "run", True, callback=False)
     assert_same_params(run[0].net, ref[0].net)
     assert run[1].global_step == ref[1].global_step == 7
+    # without the adapter, Lightning's step(closure) is torch's: the closure's backward accumulates, step() steps
+    assert run[1].optimizers[0].last_step.grad_bytes_peak == 0
+
+
+def test_with_the_callback_the_closure_s_backward_steps_in_backward(tmp_path):
+    module, trainer = fit(tmp_path, True)
+    grads = sum(p.numel() * p.element_size() for p in module.parameters())
+    assert 0 < trainer.optimizers[0].last_step.grad_bytes_peak <= grads  # stepped bucket by bucket in backward
+    assert trainer.optimizers[0].last_step.params_stepped == len(list(module.parameters()))
+
+
+class ManualAccumulation(Module):
+    """Manual optimization, accumulating by hand over 4 batches, as Lightning's docs write it."""
+
+    def __init__(self, strict: bool = False) -> None:
+        super().__init__(True)
+        self.automatic_optimization = False
+        self.strict = strict
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.manual_backward(torch.nn.functional.mse_loss(self.net(x), y) / 4)
+        if (batch_idx + 1) % 4 == 0:
+            opt = self.optimizers()
+            opt.step()
+            opt.zero_grad()
+
+    def configure_optimizers(self):
+        return InBackwardOptimizer(self.named_parameters(), torch.optim.AdamW, strict=self.strict, **ADAMW)
+
+
+def _fit_manual(module) -> None:
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(module, loader(8))
+
+
+def test_manual_accumulation_with_a_stepping_backward_each_is_warned_or_refused():
+    with pytest.warns(UserWarning, match="4 backwards each ran a full optimizer step since the last step"):
+        _fit_manual(ManualAccumulation())
+    with pytest.raises(RuntimeError, match=r"4 backwards each ran a full optimizer step.*\(strict=True\)"):
+        _fit_manual(ManualAccumulation(strict=True))

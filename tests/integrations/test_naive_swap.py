@@ -186,6 +186,20 @@ def test_accelerate_accumulation_mirrored_is_equal():
     assert_same_state(opt.state_dict(), ref_opt.state_dict())
 
 
+def test_accelerate_clipping_calls_in_the_loop_are_named_at_the_first_backward():
+    # accelerate has no clipping setting: the loop's own calls are read from its code. clip_grad_value_ after an
+    # in-backward step fails inside torch on the empty gradient list; the warning before it says why and the fix.
+    with pytest.warns(UserWarning, match=r"calls accelerator.clip_grad_value_, which after backward finds no "
+                                         r"gradient.*drop the call, the optimizer's max_grad_value clamps"):
+        with pytest.raises(RuntimeError, match="nested_tensorlist"):
+            acc.run(Accelerator, True, clip="value")
+    acc.reset_accelerate()
+    with pytest.warns(UserWarning, match=r"calls accelerator.clip_grad_norm_, .*returns 0.0: the optimizer's "
+                                         r"max_grad_norm clips inside backward"):
+        _, _, norms = acc.run(Accelerator, True, clip="norm")
+    assert all(n.item() == 0.0 for n in norms)
+
+
 # -- torchtune ---------------------------------------------------------------------------------------------------------
 class Recipe(FTRecipeInterface):
     """full_finetune_single_device's training loop in small, with its settings' attribute names. ``multiplier``:
