@@ -22,10 +22,20 @@ def test_doc_page_examples_run(page):
     assert result.failed == 0
 
 
-@pytest.mark.parametrize("module", ["dist_optim.optimizer", "dist_optim._seed_pair", "dist_optim.averaging", "dist_optim._factory"])
+def _modules_with_examples() -> list[str]:
+    """Every module of the package whose docstrings hold an example (found, not listed: none can be forgotten)."""
+    return sorted(
+        ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        for path in (ROOT / "dist_optim").rglob("*.py") if ">>>" in path.read_text()
+    )
+
+
+@pytest.mark.parametrize("module", _modules_with_examples())
 def test_docstring_examples_run(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=FLAGS)
-    assert result.attempted > 0 and result.failed == 0
+    source = (ROOT / pathlib.Path(*module.split("."))).with_suffix(".py").read_text()
+    live = any(">>>" in line and "doctest: +SKIP" not in line for line in source.splitlines())
+    assert result.failed == 0 and (result.attempted > 0 or not live)
 
 
 def test_readme_example_runs():
