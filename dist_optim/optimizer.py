@@ -271,7 +271,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             known.add(id(p))
         tensors = [e[1] if isinstance(e, tuple) else e for e in entries]
         plain = [t for t in tensors if id(t) not in self._ddp_param_ids and not is_dtensor(t)]
-        check_single_process(self._allow_local_steps, plain)
+        check_single_process(self._allow_local_steps, plain, next_to_dtensors=any(
+            is_dtensor(t) for t in chain(tensors, (q for g in self.param_groups for q in g["params"]))))
         if plain and not self._allow_local_steps:
             self._recheck_world = True
         if self._accumulation_steps > 1 and any(is_dtensor(p) for p in tensors):
