@@ -106,14 +106,14 @@ class Recipe:
         """The inner optimizers of a bucket given as ``(group index, sparse gradients?, tensors)`` parts. Sparse
         gradients take the for-loop, the one path torch has for them."""
         groups, state = self.owner.param_groups, self.owner.state
-        # DTensors and plain tensors never share an inner optimizer: DTensor's foreach and fused ops refuse lists
-        # that mix them (plain tensors next to DTensors: allow_local_steps under tensor parallel)
-        by_class: dict[tuple[type, bool], list[tuple[int, bool, list[torch.Tensor]]]] = {}
+        # An inner optimizer never mixes device meshes, nor DTensors with plain tensors: DTensor's foreach and fused
+        # ops refuse such lists (plain tensors next to DTensors: allow_local_steps under tensor parallel)
+        by_class: dict[tuple[type, Any], list[tuple[int, bool, list[torch.Tensor]]]] = {}
         for gi, sparse, ps in parts:
-            kinds = [is_dtensor(p) for p in ps]
-            for kind in dict.fromkeys(kinds):
-                part = (gi, sparse, ps if len(set(kinds)) == 1 else [p for p, k in zip(ps, kinds) if k == kind])
-                by_class.setdefault((self.classes[gi], kind), []).append(part)
+            meshes = [p.device_mesh if is_dtensor(p) else None for p in ps]
+            for mesh in dict.fromkeys(meshes):
+                part = (gi, sparse, ps if len(set(meshes)) == 1 else [p for p, m in zip(ps, meshes) if m == mesh])
+                by_class.setdefault((self.classes[gi], mesh), []).append(part)
         inners = []
         for (cls, _), cls_parts in by_class.items():
             params = [p for _, _, ps in cls_parts for p in ps]
@@ -335,8 +335,8 @@ class DTensorPath:
     The standard loop's optimizer gets a ``Partial`` gradient for a ``Replicate`` parameter and DTensor redistributes
     it inside each op that reads it (for SGD with weight decay, ``grad + wd * p`` is formed on the partial terms,
     then reduced: not the same bits as reducing first). Stepping those tensors with the same class, kernel and ops
-    on the DTensors is that arithmetic exactly. One inner optimizer per device mesh (DTensor's foreach ops refuse
-    to mix meshes), built the first time a set of tensors needs it; the state is the facade's own."""
+    on the DTensors is that arithmetic exactly. Its inner optimizer is built the first time a set of tensors needs
+    it (the same set every step, in a given model); the state is the facade's own."""
 
     def __init__(self, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any],
                  parts: list[tuple[dict[str, Any], dict[str, Any], list[torch.Tensor]]], state: dict) -> None:
@@ -344,30 +344,21 @@ class DTensorPath:
         self.kwargs = kwargs
         self.parts = parts  # (the facade's live group, the kernel fixed for it, the bucket's tensors of that group)
         self.state = state
-        self._built: dict[tuple[int, ...], list[InnerOptimizer]] = {}
+        self._built: dict[tuple[int, ...], InnerOptimizer] = {}
 
     def step(self, params: list[torch.Tensor]) -> None:
         key = tuple(id(p) for p in params)
-        inners = self._built.get(key)
-        if inners is None:
-            inners = self._built[key] = self._build(params)
-        step_inner_optimizers(inners)
+        inner = self._built.get(key)
+        if inner is None:
+            inner = self._built[key] = self._build({id(p) for p in params})
+        step_inner_optimizers([inner])
 
-    def _build(self, params: list[torch.Tensor]) -> list[InnerOptimizer]:
-        wanted = {id(p) for p in params}
-        meshes: list[Any] = []
-        for p in params:
-            if not any(p.device_mesh == m for m in meshes):
-                meshes.append(p.device_mesh)
-        inners = []
-        for mesh in meshes:
-            parts = [(facade, fixed, [p for p in ps if id(p) in wanted and p.device_mesh == mesh])
-                     for facade, fixed, ps in self.parts]
-            parts = [part for part in parts if part[2]]
-            optimizer = self.cls([{**hyperparameters(facade), "params": ps, **fixed} for facade, fixed, ps in parts],
-                                 **self.kwargs)
-            optimizer.state = self.state
-            links = [GroupLink(ig, facade, {"params": ig["params"], **fixed})
-                     for ig, (facade, fixed, _) in zip(optimizer.param_groups, parts)]
-            inners.append(InnerOptimizer(optimizer, unwrapped_step(self.cls), links))
-        return inners
+    def _build(self, wanted: set[int]) -> InnerOptimizer:
+        parts = [(facade, fixed, [p for p in ps if id(p) in wanted]) for facade, fixed, ps in self.parts]
+        parts = [part for part in parts if part[2]]
+        optimizer = self.cls([{**hyperparameters(facade), "params": ps, **fixed} for facade, fixed, ps in parts],
+                             **self.kwargs)
+        optimizer.state = self.state
+        links = [GroupLink(ig, facade, {"params": ig["params"], **fixed})
+                 for ig, (facade, fixed, _) in zip(optimizer.param_groups, parts)]
+        return InnerOptimizer(optimizer, unwrapped_step(self.cls), links)

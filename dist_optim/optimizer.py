@@ -24,7 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from dist_optim._ddp import DDPCommHook, check_ddp, ddp_managed
 from dist_optim._engine import Engine, compiled_autograd_message
-from dist_optim._fingerprint import check_same_options, sharding_group
+from dist_optim._fingerprint import check_same_options, sharding_groups
 from dist_optim._frameworks import Watch
 from dist_optim._grad_policy import GradPolicy, StepStats
 from dist_optim._inputs import (
@@ -234,9 +234,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             super().__init__(groups, defaults)
             self._framework_watch.at_construction(self)
             if ddp is not None or any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
-                group = ddp.process_group if ddp is not None else sharding_group(
+                groups = [ddp.process_group] if ddp is not None else sharding_groups(
                     [p for g in self.param_groups for p in g["params"]])
-                check_same_options(self, group, accumulation_steps)
+                check_same_options(self, groups, accumulation_steps)
             if reductions is not None:
                 reductions.attach(self._engine)
                 self._ddp_hook = reductions
@@ -271,8 +271,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             known.add(id(p))
         tensors = [e[1] if isinstance(e, tuple) else e for e in entries]
         plain = [t for t in tensors if id(t) not in self._ddp_param_ids and not is_dtensor(t)]
-        check_single_process(self._allow_local_steps, plain, next_to_dtensors=any(
-            is_dtensor(t) for t in chain(tensors, (q for g in self.param_groups for q in g["params"]))))
+        every = list(chain((q for g in self.param_groups for q in g["params"]), tensors))
+        check_single_process(self._allow_local_steps, plain, next_to_dtensors=any(is_dtensor(t) for t in every))
+        _check_norms_over_kinds(self._policy_options, every)
         if plain and not self._allow_local_steps:
             self._recheck_world = True
         if self._accumulation_steps > 1 and any(is_dtensor(p) for p in tensors):
@@ -465,6 +466,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         }
         options = {**self._policy_options, **changes}
         policy = GradPolicy(**options)
+        _check_norms_over_kinds(options, [p for g in self.param_groups for p in g["params"]])
         old = self._policy
         policy.previous_norm, policy.stats = old.previous_norm, old.stats
         self._policy_options = options
@@ -664,6 +666,24 @@ class _EngineOwner:
                 opt.step()
             finally:
                 opt._finishing = False
+
+
+def _check_norms_over_kinds(options: dict[str, Any], params: list[torch.Tensor]) -> None:
+    """Gradient norms over DTensors and plain tensors together (plain norms next to a tensor-parallel model, with
+    allow_local_steps) fail in DTensor's foreach norm, as ``clip_grad_norm_`` does on them: refused before anything
+    steps instead of in the middle of a backward."""
+    measures = (options["track_grad_norm"] or options["max_grad_norm"] is not None
+                or options["nonfinite"] != "ignore")
+    if not measures or not params:
+        return
+    kinds = {is_dtensor(p) for p in params}
+    if len(kinds) > 1:
+        raise NotImplementedError(
+            "gradient norms (max_grad_norm, track_grad_norm or nonfinite checks) over plain tensors next to DTensor "
+            "ones (plain parameters in a tensor-parallel model, stepped with allow_local_steps=True): DTensor's norm "
+            "refuses the mix, as torch.nn.utils.clip_grad_norm_ does. Parallelize those parameters too "
+            "(SequenceParallel for norms) so that every parameter is a DTensor"
+        )
 
 
 def _first_tensor(groups: list[Any]) -> torch.Tensor:

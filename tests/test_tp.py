@@ -197,6 +197,35 @@ def _refuse_plain_norm(ctx) -> None:
         dist_optim.InBackwardOptimizer(a, torch.optim.AdamW, **ADAMW)
 
 
+def _refuse_norms_over_plain_and_dtensors(ctx) -> None:
+    a, _, _ = _twins(ctx["tp"], sequence_parallel=False)
+    for option in ({"max_grad_norm": 1.0}, {"track_grad_norm": True}, {"nonfinite": "skip"}):
+        with pytest.raises(NotImplementedError, match=r"plain tensors next to DTensor.*tensor-parallel.*Sequence"):
+            dist_optim.InBackwardOptimizer(a, torch.optim.AdamW, allow_local_steps=True, **option, **ADAMW)
+    opt = dist_optim.InBackwardOptimizer(a, torch.optim.AdamW, allow_local_steps=True, **ADAMW)
+    with pytest.raises(NotImplementedError, match=r"plain tensors next to DTensor"):
+        opt.configure_clipping(max_grad_norm=1.0)
+    assert opt.max_grad_norm is None
+    opt.remove()
+
+
+# -- the options fingerprint on a 2-D mesh ------------------------------------------------------------------------
+def _options_differ_on_one_rank(ctx) -> None:
+    """On (dp=2, tp=2), rank 3 alone with another lr: every rank raises, the ranks whose groups hold rank 3 name the
+    option (its dp and its tp group), the others say that it differs elsewhere on the mesh."""
+    a, _, _ = _twins(ctx["tp"], sequence_parallel=True, dp_mesh=ctx["dp"])
+    lr = 0.02 if ctx["rank"] == 3 else 0.01
+    with pytest.raises(ValueError, match=r"different options on") as raised:
+        dist_optim.InBackwardOptimizer(a, torch.optim.AdamW, lr=lr, fused=True)
+    message = str(raised.value)
+    if ctx["rank"] == 0:
+        assert "other ranks of this device mesh" in message, message
+    else:
+        peer = {1: 1, 2: 2, 3: 1}[ctx["rank"]]  # rank 3 names its dp group's first mismatch: ranks 1 and 3
+        assert f"param_groups[0].lr: 0.01 on ranks [{peer}]; 0.02 on ranks [3]" in message, message
+    dist_optim.InBackwardOptimizer(a, torch.optim.AdamW, lr=0.01, fused=True).remove()  # nothing stayed attached
+
+
 # -- the control: a step on the local partial gradient fails these tests ------------------------------------------
 def _control_local_partial_step(ctx) -> dict:
     """The fast path made to step ``grad._local_tensor`` whatever its placements (the code before issue 21): the
@@ -249,10 +278,14 @@ def _scenarios() -> list[tuple[int, str, Callable, dict]]:
         (2, "tp/plain-norms-allow_local_steps/SGD-momentum-foreach", _parity,
          dict(sgd, sequence_parallel=False, ib={"allow_local_steps": True})),
         (2, "tp/plain-norms/refused", _refuse_plain_norm, {}),
+        (2, "tp/plain-norms/norms-refused", _refuse_norms_over_plain_and_dtensors, {}),
         (4, "tp/sequence-parallel/AdamW-fused", _parity, adamw),
         (4, "fsdp2xtp/sequence-parallel/AdamW-fused", _parity, adamw),
         (4, "fsdp2xtp/sequence-parallel/SGD-momentum-foreach", _parity, sgd),
         (4, "fsdp2xtp/sequence-parallel/AdamW-fused/clip-exact", _parity, dict(adamw, **exact)),
+        (4, "fsdp2xtp/sequence-parallel/SGD-momentum-foreach/track_grad_norm", _parity,
+         dict(sgd, ib={"track_grad_norm": True}, reference=_track_only, want_norm=True)),
+        (4, "fsdp2xtp/options-differ-on-one-rank", _options_differ_on_one_rank, {}),
     ]
     return s
 
