@@ -258,8 +258,12 @@ class Engine:
         if steps:
             policy.begin()
             if not self.arrival_checked and roots is not None:
+                if self._check_arrival(roots):
+                    # a reentrant checkpoint segment: refused before a bucket outside it (a head over the cap, or
+                    # per_parameter) is stepped; its gradients are dropped by the next backward, as after any error
+                    bw.learning = [first] if first is not None else []
+                    _refuse_nested_backward()
                 self.arrival_checked = True
-                self._check_arrival(roots)
         if not window:
             _queue_callback(lambda: self._end_of_backward(tid))
         return bw
@@ -301,9 +305,10 @@ class Engine:
             stacklevel=4,
         )
 
-    def _check_arrival(self, roots: list[torch.Tensor]) -> None:
+    def _check_arrival(self, roots: list[torch.Tensor]) -> bool:
         """Once: whether one autograd node hands over the gradients of every parameter (a model compiled whole,
-        whose compiled backward returns them together): then they are all alive at once and buckets save nothing."""
+        whose compiled backward returns them together): then they are all alive at once and buckets save nothing.
+        Returns whether the graph holds a reentrant checkpoint segment (nothing else is looked at then)."""
         producers: dict[object, list[int]] = {}
         parents: dict[object, list[object]] = {}
         seen: set[int] = set()
@@ -313,6 +318,8 @@ class Engine:
             if id(node) in seen:
                 continue
             seen.add(id(node))
+            if getattr(node, "_forward_cls", None) is _REENTRANT_CHECKPOINT:
+                return True
             for nxt, _ in node.next_functions:
                 if nxt is None:
                     continue
@@ -326,11 +333,11 @@ class Engine:
                     stack.append(nxt)
         self.computed_with = _computing_nodes(producers, parents)
         if len(producers) != 1:
-            return
+            return False
         (indices,) = producers.values()
         total = sum(self.nbytes[i] for i in set(indices))
         if len(indices) < 2 or total <= self.cap_bytes:
-            return  # a single bucket: there was no saving to lose
+            return False  # a single bucket: there was no saving to lose
         self.at_once_bytes = total
         warnings.warn(
             f"all {len(set(indices))} gradients ({total} bytes) arrive at once from one autograd node "
@@ -341,6 +348,7 @@ class Engine:
             UserWarning,
             stacklevel=4,
         )
+        return False
 
     def _learn(self, i: int, bw: _Backward) -> None:
         p = self.params[i]
@@ -601,6 +609,8 @@ def compiled_autograd_message() -> str:
     )
 
 
+# the autograd Function of torch.utils.checkpoint(..., use_reentrant=True), whose backward runs a backward inside
+_REENTRANT_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction
 _GRAPH_PY = os.path.join("autograd", "graph.py")
 _FUNCTION_PY = os.path.join("autograd", "function.py")
 

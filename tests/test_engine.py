@@ -186,6 +186,40 @@ def test_reentrant_checkpointing_is_refused_loudly():
     assert opt is not None
 
 
+@pytest.mark.parametrize("setting", ["per_parameter", "head-over-the-cap"])
+def test_reentrant_checkpointing_is_refused_before_a_bucket_outside_it_steps(setting):
+    """The head's gradient arrives before the segment's inner backward starts; with a bucket of its own (one per
+    tensor, or a head larger than the cap, as an LM head is) it used to be stepped before the refusal. The segment
+    is found in the graph at the first hook instead: nothing stepped, no state, no half-applied step."""
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    head_bytes = model.head.weight.numel() * 4
+    ib = {"per_parameter": True} if setting == "per_parameter" else {"bucket_cap_mb": (head_bytes - 1) / 2**20}
+    opt = InBackwardOptimizer(model, torch.optim.AdamW, **ib, lr=0.1, fused=True)
+    x, y = batches(1)[0]
+
+    def forward(reentrant: bool) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(model.layers[0], x.clone().requires_grad_(), use_reentrant=reentrant)
+        return nn.functional.mse_loss(model.head(model.norm(torch.tanh(model.layers[1](h)))), y)
+
+    for _ in range(2):  # and again: the refusal does not depend on having seen one
+        with pytest.raises(RuntimeError, match="use_reentrant=False"):
+            forward(reentrant=True).backward()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+        assert not opt.state and not opt.step_incomplete
+    # the next backward drops what the refused one left (said once), and the non-reentrant checkpoint is exact
+    with pytest.warns(RuntimeWarning, match="did not finish"):
+        forward(reentrant=False).backward()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, fused=True)
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # torch's load keeps same-kind tensors shared
+    forward(reentrant=False).backward()
+    h = torch.utils.checkpoint.checkpoint(ref.layers[0], x.clone().requires_grad_(), use_reentrant=False)
+    nn.functional.mse_loss(ref.head(ref.norm(torch.tanh(ref.layers[1](h)))), y).backward()
+    ref_opt.step()
+    assert_same_params(model, ref)
+
+
 @pytest.mark.parametrize("per_parameter", [False, True])
 def test_reentrant_segments_holding_every_parameter_are_refused(per_parameter):
     """Every parameter inside reentrant segments: each segment's inner backward would look like a whole training
