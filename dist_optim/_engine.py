@@ -125,6 +125,8 @@ class Engine:
         self.reductions = reductions
         self.comm_stepped = comm_stepped
         self.params: list[torch.Tensor] = []
+        self.hook_ids: list[int | None] = []  # per parameter: the id of our hook's handle (None: no hook)
+        self.warned_later_hooks = False  # whether a hook registered after ours was named (once per engine)
         self.group_of: list[int] = []
         self.bucket_of: list[_Bucket | None] = []
         self.index_of: dict[int, int] = {}  # id(param) -> index
@@ -157,6 +159,7 @@ class Engine:
             self.nbytes.append(local.numel() * local.element_size())
             p.__dict__[_LINK] = _Link(self, i)
             handle = None if id(p) in self.comm_stepped else p.register_post_accumulate_grad_hook(_grad_accumulated)
+            self.hook_ids.append(None if handle is None else handle.id)
             if handle is not None:
                 self.handles.append(handle)
             handles.append(handle)
@@ -192,7 +195,29 @@ class Engine:
             return
         b.arrived += 1
         if b.arrived == b.size:
+            if not self.warned_later_hooks:
+                self._check_later_hooks(i)
             self.settle(b, bw, complete=True)
+
+    def _check_later_hooks(self, i: int) -> None:
+        """Parameter ``i``'s gradient completes a bucket inside its own hook: a post-accumulate-grad hook registered
+        after ours runs once the bucket is stepped and its gradients freed, and finds ``.grad`` ``None``. Said once,
+        naming the parameter, before that hook runs. (torch keeps a tensor's hooks in ``_post_accumulate_grad_hooks``
+        in registration order; a torch without it is caught by the test of this warning.)"""
+        hooks = getattr(self.params[i], "_post_accumulate_grad_hooks", None)
+        mine = self.hook_ids[i]
+        if not hooks or mine is None or next(reversed(hooks)) == mine:
+            return
+        self.warned_later_hooks = True
+        warnings.warn(
+            f"{self.owner.param_name(self.params[i])} has a post-accumulate-grad hook registered after the in-backward "
+            "optimizer's: it runs after the bucket this tensor completes is stepped and its gradients are freed, so it "
+            "sees the stepped tensor with .grad None. Use opt.register_bucket_step_hook(hook), called with every "
+            "stepped tensor while its gradient is still set, or register the hook before building the optimizer (it "
+            "then sees the gradient before the step)",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def enter_backward(self) -> bool:
         """For a communication hook: begin this backward if it is new; whether it steps."""
@@ -361,6 +386,8 @@ class Engine:
         bw.learning.append(i)
         bw.learning_bytes += nbytes
         if self.per_parameter or bw.learning_bytes >= self.cap_bytes:
+            if not self.warned_later_hooks:
+                self._check_later_hooks(i)
             self._close_learned(bw)
 
     def _computed_with_last(self, learning: list[int], i: int) -> int:

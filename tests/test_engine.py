@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -277,3 +278,28 @@ def test_results_do_not_depend_on_bucket_size():
     train_standard(ref, torch.optim.AdamW(ref.parameters(), fused=True), data)
     for model, _ in results:
         assert_same_params(model, ref)
+
+
+@pytest.mark.parametrize("setting", ["per_parameter", "buckets"])
+def test_a_hook_registered_after_the_optimizer_is_named_before_it_sees_none(setting):
+    """A user's post-accumulate-grad hook registered after the optimizer's runs once the bucket its tensor completes
+    is stepped and freed: it finds ``.grad`` ``None`` (from the first backward per parameter, from the second with
+    learned buckets). That tensor is named once, with register_bucket_step_hook as the fix, before it can."""
+    model = make_model()
+    early: list[bool] = []  # a hook registered before the optimizer's sees every gradient, and is not named
+    model.head.bias.register_post_accumulate_grad_hook(lambda p: early.append(p.grad is None))
+    opt = InBackwardOptimizer(model, torch.optim.SGD, lr=0.1, per_parameter=setting == "per_parameter")
+    seen: list[tuple[str, bool, int]] = []  # (parameter, .grad is None, warnings so far)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda p, name=name: seen.append((name, p.grad is None, len(caught))))
+        for batch in batches(3):
+            loss_of(model, batch).backward()
+    named = [w for w in caught if "register_bucket_step_hook" in str(w.message)]
+    assert len(named) == 1, [str(w.message) for w in caught]
+    blind = [(name, k) for name, none, k in seen if none]
+    assert blind, "no hook saw None: the scenario tests nothing"
+    assert all(k >= 1 for _, k in blind), f"a hook saw None before the warning: {blind}"
+    assert str(named[0].message).startswith(blind[0][0] + " has a post-accumulate-grad hook registered after")
+    assert early == [False] * 3 and opt.last_step.params_stepped == 10
