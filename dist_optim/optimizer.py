@@ -61,9 +61,11 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     Args:
         params: what ``torch.optim`` accepts (tensors, ``named_parameters()``, param-group dicts) or an
             ``nn.Module``, whose frozen parameters are skipped: plain, DDP-wrapped (stepped after each bucket's
-            all-reduce) or FSDP2-sharded (stepped on the shards after reduce-scatter). A group may carry its own ``"optimizer_class"``;
-            such a group takes its options from the group dict and that class's defaults, not from
-            ``optimizer_kwargs``.
+            all-reduce), FSDP2-sharded (stepped on the shards after reduce-scatter) or tensor-parallel
+            (``parallelize_module``, alone or under FSDP2; a gradient whose placements differ from its
+            parameter's, such as a SequenceParallel norm's ``Partial`` one, is stepped through DTensor's ops).
+            A group may carry its own ``"optimizer_class"``; such a group takes its options from the group dict
+            and that class's defaults, not from ``optimizer_kwargs``.
         optimizer_class: a ``torch.optim.Optimizer`` subclass (not an instance), e.g. ``torch.optim.AdamW``.
         bucket_cap_mb: gradient bytes, in MiB, that a bucket holds at most before it is stepped. The gradients one
             autograd node computes together (a Linear's weight and bias) share a bucket even over the cap, since
@@ -111,8 +113,11 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         ValueError: a tensor is not a leaf, does not require grad, is on the meta device, or is given twice; the
             optimizer needs a closure (LBFGS); an engine option is out of range; under DDP or FSDP2, an option
             differs across ranks (raised on every rank).
-        RuntimeError: a multi-rank process group is initialised and ``allow_local_steps`` is not set; compiled
-            autograd is on.
+        RuntimeError: a multi-rank process group is initialised, some parameters are plain tensors (neither
+            DDP's nor DTensors, e.g. a norm left out of a tensor-parallel plan) and ``allow_local_steps`` is not
+            set; compiled autograd is on.
+        NotImplementedError: gradient norms (``max_grad_norm``, ``track_grad_norm``, ``nonfinite``) over plain
+            tensors next to DTensors; FSDP1; ``accumulation_steps > 1`` with DDP or DTensor parameters.
 
     Example:
         >>> import torch, dist_optim
