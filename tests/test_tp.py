@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import dist_optim
-from helpers import ADAMW, SGD_MOMENTUM, STEPS, WIDTH
+from helpers import ADAMW, RESHARD_TOLERANCE, SGD_MOMENTUM, STEPS, WIDTH
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
 
@@ -224,6 +224,89 @@ def _options_differ_on_one_rank(ctx) -> None:
         peer = {1: 1, 2: 2, 3: 1}[ctx["rank"]]  # rank 3 names its dp group's first mismatch: ranks 1 and 3
         assert f"param_groups[0].lr: 0.01 on ranks [{peer}]; 0.02 on ranks [3]" in message, message
     dist_optim.InBackwardOptimizer(a, torch.optim.AdamW, lr=0.01, fused=True).remove()  # nothing stayed attached
+
+
+# -- checkpoints: a TP run resumes on another layout ---------------------------------------------------------------
+HALF = 2  # steps before the checkpoint, and after it
+
+
+def _global_loss(model: nn.Module, xs: list[torch.Tensor], tp: int) -> torch.Tensor:
+    """One process's loss equal to what the parallel job minimises: each TP rank's loss is the mean over its
+    sequence shard (their sum: ``tp`` times the mean over the whole sequence), FSDP2 averages the replicas' batches."""
+    return tp * model(torch.cat(xs)).square().mean()
+
+
+def _parallel_run(ctx, *, tmp: str, save_at: int | None, load: bool) -> None:
+    """FSDP2 x TP (4 ranks) or TP alone (2 ranks), sequence parallel, in backward: trains 2 * HALF steps, saving
+    after ``save_at`` or loading first (and then training the second half); rank 0 writes the final parameters."""
+    from pathlib import Path
+
+    from dist_optim.checkpoint import load as load_checkpoint
+    from dist_optim.checkpoint import save as save_checkpoint
+
+    tp_mesh, dp_mesh = ctx["tp"], ctx.get("dp")
+    torch.manual_seed(7 if load else 0)  # a resumed model starts from other weights: the checkpoint must set them
+    model = _parallelize(Net(), tp_mesh, sequence_parallel=True)
+    if dp_mesh is not None:
+        for block in model.blocks:
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+    opt = dist_optim.InBackwardOptimizer(model, torch.optim.AdamW, bucket_cap_mb=TINY_BUCKETS, **ADAMW)
+    dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
+    data = _data(tp_mesh, dp_rank, True, steps=2 * HALF)
+    start = 0
+    if load:
+        load_checkpoint(Path(tmp) / "ck_single", model=model, optimizer=opt)
+        start = HALF
+    for step in range(start, 2 * HALF):
+        _loss(model, data[step]).backward()
+        if save_at is not None and step + 1 == save_at:
+            save_checkpoint(Path(tmp) / f"ck_{ctx['world']}", model=model, optimizer=opt)
+    params = {n: _full(p.detach()) for n, p in model.named_parameters()}
+    if ctx["rank"] == 0:
+        torch.save(params, Path(tmp) / f"{'resumed' if load else 'ref'}_{ctx['world']}.pt")
+
+
+def _single_process(tmp, *, tp: int, dp: int, save_at: int | None, load_from: str | None) -> dict:
+    """The same training on one process, plain model: the global batch of each step, the job's loss."""
+    from dist_optim.checkpoint import load as load_checkpoint
+    from dist_optim.checkpoint import save as save_checkpoint
+
+    torch.manual_seed(7 if load_from else 0)
+    model = Net()
+    opt = dist_optim.InBackwardOptimizer(model, torch.optim.AdamW, bucket_cap_mb=TINY_BUCKETS, **ADAMW)
+    replicas = [_data(None, d, False, steps=2 * HALF) for d in range(dp)]
+    start = 0
+    if load_from is not None:
+        load_checkpoint(tmp / load_from, model=model, optimizer=opt)
+        start = HALF
+    for step in range(start, 2 * HALF):
+        _global_loss(model, [r[step] for r in replicas], tp).backward()
+        if save_at is not None and step + 1 == save_at:
+            save_checkpoint(tmp / "ck_single", model=model, optimizer=opt)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _assert_close(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **RESHARD_TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_fsdp2_x_tp_checkpoint_resumes_on_one_process(ranks, tmp_path):
+    """(dp=2, tp=2) on 4 ranks, saved after HALF steps, resumed on one process with a plain model: equal to the
+    uninterrupted 4-rank run within the reshard tolerance (another reduction order)."""
+    ranks.run(4, _on_mesh, scenario=_parallel_run, two_d=True, tmp=str(tmp_path), save_at=HALF, load=False)
+    got = _single_process(tmp_path, tp=2, dp=2, save_at=None, load_from="ck_4")
+    _assert_close(got, torch.load(tmp_path / "ref_4.pt", weights_only=True))
+
+
+def test_one_process_checkpoint_resumes_under_tp(ranks, tmp_path):
+    """And back: a plain one-process run saved after HALF steps, resumed on TP alone with SequenceParallel norms
+    (2 ranks): equal to the uninterrupted one-process run within the reshard tolerance."""
+    want = _single_process(tmp_path, tp=2, dp=1, save_at=HALF, load_from=None)
+    ranks.run(2, _on_mesh, scenario=_parallel_run, two_d=False, tmp=str(tmp_path), save_at=None, load=True)
+    _assert_close(torch.load(tmp_path / "resumed_2.pt", weights_only=True), want)
 
 
 # -- the control: a step on the local partial gradient fails these tests ------------------------------------------
