@@ -103,6 +103,13 @@ def _data(tp_mesh, dp_rank: int, sequence_parallel: bool, steps: int = STEPS) ->
     return [x.chunk(tp, dim=1)[rank].contiguous() for x in full]
 
 
+def _dp_rank(dp_mesh) -> int:
+    """This rank's data-parallel replica: its coordinate on the (possibly 2-D, HSDP) data-parallel mesh."""
+    if dp_mesh is None:
+        return 0
+    return int(torch.tensor(dp_mesh.get_coordinate()) @ torch.tensor(dp_mesh.mesh.stride()))
+
+
 def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).square().mean()
 
@@ -114,14 +121,14 @@ def _parity(ctx, cls, kwargs, *, sequence_parallel: bool = True, ib: dict | None
     tp_mesh, dp_mesh = ctx["tp"], ctx.get("dp")
     a, b, initial = _twins(tp_mesh, sequence_parallel=sequence_parallel, dp_mesh=dp_mesh)
     if sequence_parallel:  # the case this file is about: a Replicate parameter gets a Partial gradient
-        want = (Shard(0), Replicate()) if dp_mesh is not None else (Replicate(),)
+        want = (*[Replicate()] * (dp_mesh.ndim - 1), Shard(0), Replicate()) if dp_mesh is not None else (Replicate(),)
         assert tuple(a.norm.weight.placements) == want, a.norm.weight.placements
     opt = dist_optim.InBackwardOptimizer(a, cls, **{"bucket_cap_mb": TINY_BUCKETS, **(ib or {})}, **kwargs)
     # the standard loop needs one optimizer per kind when plain tensors sit next to DTensors: torch's foreach and
     # fused ops refuse lists that mix them
     kinds = [[(n, p) for n, p in b.named_parameters() if isinstance(p, DTensor) == dt] for dt in (True, False)]
     refs = [cls(named, **kwargs) for named in kinds if named]
-    dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
+    dp_rank = _dp_rank(dp_mesh)
     data = _data(tp_mesh, dp_rank, sequence_parallel)
     partial_seen = False
     for k, x in enumerate(data):
@@ -252,8 +259,7 @@ def _parallel_run(ctx, *, tmp: str, save_at: int | None, load: bool) -> None:
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
     opt = dist_optim.InBackwardOptimizer(model, torch.optim.AdamW, bucket_cap_mb=TINY_BUCKETS, **ADAMW)
-    dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
-    data = _data(tp_mesh, dp_rank, True, steps=2 * HALF)
+    data = _data(tp_mesh, _dp_rank(dp_mesh), True, steps=2 * HALF)
     start = 0
     if load:
         load_checkpoint(Path(tmp) / "ck_single", model=model, optimizer=opt)
@@ -370,13 +376,18 @@ def _scenarios() -> list[tuple[int, str, Callable, dict]]:
         (4, "fsdp2xtp/sequence-parallel/SGD-momentum-foreach/track_grad_norm", _parity,
          dict(sgd, ib={"track_grad_norm": True}, reference=_track_only, want_norm=True)),
         (4, "fsdp2xtp/options-differ-on-one-rank", _options_differ_on_one_rank, {}),
+        (4, "hsdpxtp/sequence-parallel/AdamW-fused/clip-exact", _parity, dict(adamw, **exact)),
     ]
     return s
 
 
 def _on_mesh(ctx, scenario: Callable, two_d: bool, **kwargs) -> None:
     """Runs on each rank: TP over every rank, or (dp=2, tp=2) for a 2-D scenario."""
-    if two_d:
+    if two_d == "hsdp":  # 2 replicas x 1 shard x 2 TP ranks: HSDP's 2-D mesh for FSDP2, the parameters on 3-D
+        mesh = ctx.cached("hsdp-tp-mesh", lambda: init_device_mesh(
+            "cpu", (2, 1, 2), mesh_dim_names=("replicate", "shard", "tp")))
+        meshes = {"dp": mesh["replicate", "shard"], "tp": mesh["tp"]}
+    elif two_d:
         mesh = ctx.cached("dp-tp-mesh", lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
         meshes = {"dp": mesh["dp"], "tp": mesh["tp"]}
     else:
@@ -385,7 +396,8 @@ def _on_mesh(ctx, scenario: Callable, two_d: bool, **kwargs) -> None:
 
 
 SCENARIOS = [
-    pytest.param(world, fn, kwargs, name.startswith("fsdp2xtp"), id=f"{world}ranks/{name}")
+    pytest.param(world, fn, kwargs, "hsdp" if name.startswith("hsdp") else name.startswith("fsdp2xtp"),
+                 id=f"{world}ranks/{name}")
     for world, name, fn, kwargs in (_scenarios() if dist.is_available() else [])
 ]
 
