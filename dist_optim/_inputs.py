@@ -79,7 +79,9 @@ def module_params(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
         raise NotImplementedError(
             f"FullyShardedDataParallel (FSDP1) is not supported ({type(fsdp1).__name__}): its parameters' "
             "gradients never reach per-parameter hooks. Shard the model with torch.distributed.fsdp.fully_shard "
-            "(FSDP2), which is supported"
+            "(FSDP2), which is supported, or keep FSDP1 with use_orig_params=True and attach "
+            "dist_optim.apply_optimizer_in_backward to its parameters (after wrapping, or before "
+            "init_process_group): FSDP1 steps those optimizers itself after its reduce-scatter"
         )
     named = []
     for name, p in module.named_parameters():
