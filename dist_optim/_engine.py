@@ -196,14 +196,16 @@ class Engine:
         b.arrived += 1
         if b.arrived == b.size:
             if not self.warned_later_hooks:
-                self._check_later_hooks(i)
+                self._check_later_hooks(i, bw)
             self.settle(b, bw, complete=True)
 
-    def _check_later_hooks(self, i: int) -> None:
+    def _check_later_hooks(self, i: int, bw: _Backward) -> None:
         """Parameter ``i``'s gradient completes a bucket inside its own hook: a post-accumulate-grad hook registered
         after ours runs once the bucket is stepped and its gradients freed, and finds ``.grad`` ``None``. Said once,
         naming the parameter, before that hook runs. (torch keeps a tensor's hooks in ``_post_accumulate_grad_hooks``
         in registration order; a torch without it is caught by the test of this warning.)"""
+        if bw.policy is not None and bw.policy.hold:
+            return  # held until backward ends (exact clipping): the later hook still sees the gradient
         hooks = getattr(self.params[i], "_post_accumulate_grad_hooks", None)
         mine = self.hook_ids[i]
         if not hooks or mine is None or next(reversed(hooks)) == mine:
@@ -387,7 +389,7 @@ class Engine:
         bw.learning_bytes += nbytes
         if self.per_parameter or bw.learning_bytes >= self.cap_bytes:
             if not self.warned_later_hooks:
-                self._check_later_hooks(i)
+                self._check_later_hooks(i, bw)
             self._close_learned(bw)
 
     def _computed_with_last(self, learning: list[int], i: int) -> int:
