@@ -126,6 +126,8 @@ class Engine:
         self.reductions = reductions
         self.comm_stepped = comm_stepped
         self.params: list[torch.Tensor] = []
+        self.hook_ids: list[int | None] = []  # per parameter: the id of our hook's handle (None: no hook)
+        self.warned_later_hooks = False  # whether a hook registered after ours was named (once per engine)
         self.group_of: list[int] = []
         self.bucket_of: list[_Bucket | None] = []
         self.index_of: dict[int, int] = {}  # id(param) -> index
@@ -159,6 +161,7 @@ class Engine:
             self.nbytes.append(local.numel() * local.element_size())
             p.__dict__[_LINK] = _Link(self, i)
             handle = None if id(p) in self.comm_stepped else p.register_post_accumulate_grad_hook(_grad_accumulated)
+            self.hook_ids.append(None if handle is None else handle.id)
             if handle is not None:
                 self.handles.append(handle)
             handles.append(handle)
@@ -194,7 +197,31 @@ class Engine:
             return
         b.arrived += 1
         if b.arrived == b.size:
+            if not self.warned_later_hooks:
+                self._check_later_hooks(i, bw)
             self.settle(b, bw, complete=True)
+
+    def _check_later_hooks(self, i: int, bw: _Backward) -> None:
+        """Parameter ``i``'s gradient completes a bucket inside its own hook: a post-accumulate-grad hook registered
+        after ours runs once the bucket is stepped and its gradients freed, and finds ``.grad`` ``None``. Said once,
+        naming the parameter, before that hook runs. (torch keeps a tensor's hooks in ``_post_accumulate_grad_hooks``
+        in registration order; a torch without it is caught by the test of this warning.)"""
+        if bw.policy is not None and bw.policy.hold:
+            return  # held until backward ends (exact clipping): the later hook still sees the gradient
+        hooks = getattr(self.params[i], "_post_accumulate_grad_hooks", None)
+        mine = self.hook_ids[i]
+        if not hooks or mine is None or next(reversed(hooks)) == mine:
+            return
+        self.warned_later_hooks = True
+        warnings.warn(
+            f"{self.owner.param_name(self.params[i])} has a post-accumulate-grad hook registered after the in-backward "
+            "optimizer's: it runs after the bucket this tensor completes is stepped and its gradients are freed, so it "
+            "sees the stepped tensor with .grad None. Use opt.register_bucket_step_hook(hook), called with every "
+            "stepped tensor while its gradient is still set, or register the hook before building the optimizer (it "
+            "then sees the gradient before the step)",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def enter_backward(self) -> bool:
         """For a communication hook: begin this backward if it is new; whether it steps."""
@@ -267,8 +294,12 @@ class Engine:
         if steps:
             policy.begin()
             if not self.arrival_checked and roots is not None:
+                if self._check_arrival(roots):
+                    # a reentrant checkpoint segment: refused before a bucket outside it (a head over the cap, or
+                    # per_parameter) is stepped; its gradients are dropped by the next backward, as after any error
+                    bw.learning = [first] if first is not None else []
+                    _refuse_nested_backward()
                 self.arrival_checked = True
-                self._check_arrival(roots)
         if not window:
             _queue_callback(lambda: self._end_of_backward(tid))
         return bw
@@ -310,9 +341,10 @@ class Engine:
             stacklevel=4,
         )
 
-    def _check_arrival(self, roots: list[torch.Tensor]) -> None:
+    def _check_arrival(self, roots: list[torch.Tensor]) -> bool:
         """Once: whether one autograd node hands over the gradients of every parameter (a model compiled whole,
-        whose compiled backward returns them together): then they are all alive at once and buckets save nothing."""
+        whose compiled backward returns them together): then they are all alive at once and buckets save nothing.
+        Returns whether the graph holds a reentrant checkpoint segment (nothing else is looked at then)."""
         producers: dict[object, list[int]] = {}
         parents: dict[object, list[object]] = {}
         seen: set[int] = set()
@@ -322,6 +354,8 @@ class Engine:
             if id(node) in seen:
                 continue
             seen.add(id(node))
+            if getattr(node, "_forward_cls", None) is _REENTRANT_CHECKPOINT:
+                return True
             for nxt, _ in node.next_functions:
                 if nxt is None:
                     continue
@@ -335,11 +369,11 @@ class Engine:
                     stack.append(nxt)
         self.computed_with = _computing_nodes(producers, parents)
         if len(producers) != 1:
-            return
+            return False
         (indices,) = producers.values()
         total = sum(self.nbytes[i] for i in set(indices))
         if len(indices) < 2 or total <= self.cap_bytes:
-            return  # a single bucket: there was no saving to lose
+            return False  # a single bucket: there was no saving to lose
         self.at_once_bytes = total
         warnings.warn(
             f"all {len(set(indices))} gradients ({total} bytes) arrive at once from one autograd node "
@@ -350,6 +384,7 @@ class Engine:
             UserWarning,
             stacklevel=4,
         )
+        return False
 
     def _learn(self, i: int, bw: _Backward) -> None:
         p = self.params[i]
@@ -362,6 +397,8 @@ class Engine:
         bw.learning.append(i)
         bw.learning_bytes += nbytes
         if self.per_parameter or bw.learning_bytes >= self.cap_bytes:
+            if not self.warned_later_hooks:
+                self._check_later_hooks(i, bw)
             self._close_learned(bw)
 
     def _computed_with_last(self, learning: list[int], i: int) -> int:
@@ -644,6 +681,8 @@ def compiled_autograd_message() -> str:
     )
 
 
+# the autograd Function of torch.utils.checkpoint(..., use_reentrant=True), whose backward runs a backward inside
+_REENTRANT_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction
 _GRAPH_PY = os.path.join("autograd", "graph.py")
 _FUNCTION_PY = os.path.join("autograd", "function.py")
 

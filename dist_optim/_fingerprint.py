@@ -47,39 +47,61 @@ def options_of(opt: Any, accumulation_steps: int) -> dict[str, str]:
     return options
 
 
-def sharding_group(params: list[torch.Tensor]) -> Any:
-    """The process group across which the DTensor ``params`` are sharded: their 1-D mesh's (FSDP2 over a slice of
-    a larger mesh, as a pipeline stage of pipeline x FSDP2 is), else ``None`` (the default group)."""
+def sharding_groups(params: list[torch.Tensor]) -> list[Any]:
+    """The process groups over which the DTensor ``params`` must agree: one per dimension of their device mesh (a
+    2-D mesh, data parallel x tensor parallel or HSDP, may be a slice of a larger one, as a pipeline stage's is;
+    ranks that agree along every dimension of the mesh agree across all of it). ``[None]`` (the default group) if
+    none is a DTensor."""
     mesh = next((p.device_mesh for p in params if is_dtensor(p)), None)
-    return mesh.get_group() if mesh is not None and mesh.ndim == 1 else None
+    if mesh is None:
+        return [None]
+    return [mesh.get_group(dim) for dim in range(mesh.ndim)]
 
 
-def check_same_options(opt: Any, group: Any, accumulation_steps: int) -> None:
-    """Raise on every rank if some option differs across the ranks of ``group`` (``None``: the default group).
+def check_same_options(opt: Any, groups: list[Any], accumulation_steps: int) -> None:
+    """Raise on every rank if some option differs across the ranks of any of ``groups`` (``None``: the default
+    group), the dimensions of one device mesh: a rank whose own groups agree learns of a mismatch elsewhere.
 
-    Collective: call on every rank of ``group``, once, at construction.
+    Collective: call on every rank of every group in ``groups``, once, at construction.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    groups = [g for g in groups if dist.get_world_size(g) > 1]
+    if not groups:
         return
     options = options_of(opt, accumulation_steps)
     digest = hashlib.sha256(repr(sorted(options.items())).encode()).hexdigest()[:16]
-    digests: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(digests, digest, group=group)
-    if len(set(digests)) == 1:
-        return
-    every: list[Any] = [None] * len(digests)
-    dist.all_gather_object(every, options, group=group)
-    keys = sorted(set().union(*every), key=lambda k: (k.startswith("param_groups"), k))
-    lines = []
-    for key in keys:
-        values = [o.get(key, "<missing>") for o in every]
-        if len(set(values)) > 1:
-            by_value: dict[str, list[int]] = {}
-            for rank, v in enumerate(values):
-                by_value.setdefault(v, []).append(rank)
-            lines.append(f"{key}: " + "; ".join(f"{v} on ranks {r}" for v, r in by_value.items()))
-    raise ValueError(
-        "InBackwardOptimizer was built with different options on different ranks, so the replicas would drift "
-        "apart (or a clipping collective would wait forever): " + " | ".join(lines)
-        + ". Build it with the same options on every rank"
-    )
+    mismatched = [g for g in groups if len(set(_gathered(digest, g))) > 1]
+    if len(groups) > 1:  # along each dimension in turn: after the last one, every rank of the mesh knows
+        anywhere = bool(mismatched)
+        for g in groups:
+            anywhere = any(_gathered(anywhere, g))
+        if anywhere and not mismatched:
+            raise ValueError(
+                "InBackwardOptimizer was built with different options on other ranks of this device mesh (those "
+                "ranks name the option), so the replicas would drift apart; build it with the same options on "
+                "every rank"
+            )
+    lines: list[str] = []
+    for g in mismatched:  # in the order of the mesh's dimensions on every rank: no two ranks wait on each other
+        every = _gathered(options, g)
+        keys = sorted(set().union(*every), key=lambda k: (k.startswith("param_groups"), k))
+        for key in keys:
+            values = [o.get(key, "<missing>") for o in every]
+            if len(set(values)) > 1:
+                by_value: dict[str, list[int]] = {}
+                for rank, v in enumerate(values):
+                    by_value.setdefault(v, []).append(rank if g is None else dist.get_global_rank(g, rank))
+                lines.append(f"{key}: " + "; ".join(f"{v} on ranks {r}" for v, r in by_value.items()))
+    if mismatched:
+        raise ValueError(
+            "InBackwardOptimizer was built with different options on different ranks, so the replicas would drift "
+            "apart (or a clipping collective would wait forever): " + " | ".join(dict.fromkeys(lines))
+            + ". Build it with the same options on every rank"
+        )
+
+
+def _gathered(value: Any, group: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out

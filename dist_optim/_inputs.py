@@ -79,7 +79,9 @@ def module_params(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
         raise NotImplementedError(
             f"FullyShardedDataParallel (FSDP1) is not supported ({type(fsdp1).__name__}): its parameters' "
             "gradients never reach per-parameter hooks. Shard the model with torch.distributed.fsdp.fully_shard "
-            "(FSDP2), which is supported"
+            "(FSDP2), which is supported, or keep FSDP1 with use_orig_params=True and attach "
+            "dist_optim.apply_optimizer_in_backward to its parameters (after wrapping, or before "
+            "init_process_group): FSDP1 steps those optimizers itself after its reduce-scatter"
         )
     named = []
     for name, p in module.named_parameters():
@@ -116,13 +118,25 @@ def is_dtensor(p: torch.Tensor) -> bool:
     return isinstance(p, _DTENSOR)
 
 
-def check_single_process(allow_local_steps: bool, params: list[torch.Tensor] | None = None) -> None:
-    """Refuse plain tensors in a multi-rank job: their hooks would see the local, un-reduced gradient."""
+def check_single_process(allow_local_steps: bool, params: list[torch.Tensor] | None = None,
+                         next_to_dtensors: bool = False) -> None:
+    """Refuse plain tensors in a multi-rank job: their hooks would see the local, un-reduced gradient.
+    ``next_to_dtensors``: the optimizer has DTensor parameters too (tensor parallel, or FSDP2 on part of a model)."""
     dist = torch.distributed
     if allow_local_steps or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     if params is not None and all(is_dtensor(p) for p in params):
         return
+    if next_to_dtensors:
+        raise RuntimeError(
+            f"a process group with {dist.get_world_size()} ranks is initialised, and {len(params or [])} of these "
+            "parameters are plain tensors next to DTensor ones (a model parallelized with tensor parallel, "
+            "parallelize_module, or only partly sharded with fully_shard): nothing reduces their gradients, so "
+            "each rank would step on its own local gradient. The standard loop does the same, which keeps the "
+            "replicas equal only when every rank computes the same gradient for them (under tensor parallel, a "
+            "norm fed replicated activations): then pass allow_local_steps=True. Otherwise parallelize them too "
+            "(SequenceParallel for norms, fully_shard for the rest)"
+        )
     raise RuntimeError(
         f"a process group with {dist.get_world_size()} ranks is initialised, but these parameters are neither "
         "sharded with fully_shard (FSDP2) nor given as a DistributedDataParallel model, so each rank would step "

@@ -4,7 +4,9 @@ Same behaviour and layout as torch's private ``_apply_optimizer_in_backward`` (o
 itself in ``param._in_backward_optimizers``, several per parameter, shared parameters, ``register_hook=False``),
 without its leak: everything lives in the parameter's own ``__dict__``, where the garbage collector sees the
 cycle, and the hook takes the parameter as its argument instead of closing over it. Under DDP, torch's own
-communication hook steps these optimizers where the build allows it.
+communication hook steps these optimizers where the build allows it; under FSDP1 (``use_orig_params=True``), FSDP1's
+runtime steps them after its reduce-scatter (our hook never fires there: the original parameters are not in the
+autograd graph, the flat parameter is).
 """
 
 from __future__ import annotations
@@ -54,11 +56,24 @@ def _make_hook(allow_local_steps: bool):
 
 def _world(p: torch.Tensor) -> int:
     """The number of ranks whose gradients meet at this parameter's hook only if something reduces them first:
-    1 in a single process and for DTensor parameters (FSDP2 reduce-scatters before their hooks)."""
+    1 in a single process, for DTensor parameters (FSDP2 reduce-scatters before their hooks) and for FSDP1's
+    original parameters (``use_orig_params=True``), whose optimizers FSDP1 steps itself after its reduce-scatter."""
     dist = torch.distributed
-    if is_dtensor(p) or not (dist.is_available() and dist.is_initialized()):
+    if is_dtensor(p) or _fsdp1_original(p) or not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size()
+
+
+def _fsdp1_original(p: torch.Tensor) -> bool:
+    """An original parameter of an FSDP1 ``FullyShardedDataParallel(use_orig_params=True)`` module: FSDP1 marks the
+    parameters it flattens with ``_fsdp_flattened`` (torch's ``FSDP_FLATTENED``; a torch that stops doing so is
+    caught by tests/test_seed_pair_dist.py, whose wrap-then-attach case is then refused). The ``FlatParameter``
+    itself (``use_orig_params=False``) is not one: torch refuses optimizers in backward on it."""
+    if not getattr(p, "_fsdp_flattened", False):
+        return False
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    return not isinstance(p, FlatParameter)
 
 
 def _ddp_can_take_over() -> bool:
@@ -76,8 +91,10 @@ def _ddp_alternative(p: torch.Tensor) -> str:
         "torch's DDP cannot step optimizers attached by apply_optimizer_in_backward (its end-of-backward callback "
         "calls torch.accelerator.current_stream(), which raises after the step). Wrap "
         "the model in DDP and use dist_optim.InBackwardOptimizer(ddp_model, optimizer_class, **optimizer_kwargs), "
-        "which steps in backward after each bucket's all-reduce; or pass allow_local_steps=True if local steps "
-        "without DDP are what you want (local SGD)"
+        "which steps in backward after each bucket's all-reduce; or wrap it in FSDP1 "
+        "(FullyShardedDataParallel(use_orig_params=True)) first and attach after wrapping: FSDP1 steps these "
+        "optimizers itself after its reduce-scatter; or pass allow_local_steps=True if local steps without a "
+        "wrapper are what you want (local SGD)"
     )
 
 

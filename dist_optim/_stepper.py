@@ -3,7 +3,9 @@
 Inner optimizers are built here and nowhere else (:meth:`Recipe.build`), one per optimizer class in a bucket, with
 the facade's ``state`` and its live groups copied in before every step. The kernel is torch's fastest one that runs
 on the tensors (``fused``, else ``foreach``); buckets of DTensor shards for elementwise optimizers are stepped on
-their local tensors, which saves DTensor's dispatch per call, while the facade keeps the state as DTensors.
+their local tensors, which saves DTensor's dispatch per call, while the facade keeps the state as DTensors. A
+DTensor whose gradient's placements differ from its own (a ``Replicate`` norm weight with a ``Partial`` gradient
+under SequenceParallel) is stepped through DTensor's ops instead, which redistribute as the standard loop's do.
 """
 
 from __future__ import annotations
@@ -104,11 +106,16 @@ class Recipe:
         """The inner optimizers of a bucket given as ``(group index, sparse gradients?, tensors)`` parts. Sparse
         gradients take the for-loop, the one path torch has for them."""
         groups, state = self.owner.param_groups, self.owner.state
-        by_class: dict[type, list[tuple[int, bool, list[torch.Tensor]]]] = {}
-        for part in parts:
-            by_class.setdefault(self.classes[part[0]], []).append(part)
+        # An inner optimizer never mixes device meshes, nor DTensors with plain tensors: DTensor's foreach and fused
+        # ops refuse such lists (plain tensors next to DTensors: allow_local_steps under tensor parallel)
+        by_class: dict[tuple[type, Any], list[tuple[int, bool, list[torch.Tensor]]]] = {}
+        for gi, sparse, ps in parts:
+            meshes = [p.device_mesh if is_dtensor(p) else None for p in ps]
+            for mesh in dict.fromkeys(meshes):
+                part = (gi, sparse, ps if len(set(meshes)) == 1 else [p for p, m in zip(ps, meshes) if m == mesh])
+                by_class.setdefault((self.classes[gi], mesh), []).append(part)
         inners = []
-        for cls, cls_parts in by_class.items():
+        for (cls, _), cls_parts in by_class.items():
             params = [p for _, _, ps in cls_parts for p in ps]
             shards = LocalShards(params) if can_step_locally(cls, params) else None
             fixed = [{} if sparse else self.kernels[gi] for gi, sparse, _ in cls_parts]
@@ -124,7 +131,9 @@ class Recipe:
             ]
             step = unwrapped_step(cls)
             if shards is not None:
-                step = shards.stepper(step, state)
+                dtensor_path = DTensorPath(cls, self.kwargs_for(cls), [
+                    (groups[gi], k, ps) for (gi, _, ps), k in zip(cls_parts, fixed)], state)
+                step = shards.stepper(step, state, dtensor_path)
             elif cls in _FUSED_ADAM and all(k.get("fused") or g.get("fused") for k, g in zip(
                     fixed, (groups[gi] for gi, _, _ in cls_parts))) and _one_kind(params):
                 step = FusedAdamStep(step, cls is torch.optim.AdamW, optimizer)
@@ -262,19 +271,25 @@ class LocalShards:
     def stand_ins_of(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         return [self.stand_ins[id(p)] for p in params]
 
-    def stepper(self, step: Callable[[torch.optim.Optimizer], Any], facade_state: dict) -> Callable[..., Any]:
+    def stepper(self, step: Callable[[torch.optim.Optimizer], Any], facade_state: dict,
+                dtensor_path: DTensorPath) -> Callable[..., Any]:
         def run(inner: torch.optim.Optimizer) -> None:
             new = []
+            redistributed = []  # tensors whose gradient is laid out otherwise than they are: DTensor's ops step them
+            local_grads = 0
             for p in self.params:
                 a = self.stand_ins[id(p)]
                 local = p._local_tensor
                 if a.data_ptr() != local.data_ptr() or a.shape != local.shape:
                     a.data = local  # FSDP2 re-created the shard (module.to(), lazy init): follow it
                 g = p.grad
-                if g is None:
+                if g is None or not same_layout(p, g):
                     a.grad = None
+                    if g is not None:
+                        redistributed.append(p)
                     continue
                 a.grad = g._local_tensor
+                local_grads += 1
                 mine = facade_state.get(p)
                 if not mine:
                     self.state.pop(a, None)
@@ -283,7 +298,10 @@ class LocalShards:
                     self.state[a] = {k: v._local_tensor if is_dtensor(v) else v for k, v in mine.items()}
                     self._seen[id(p)] = mine
             try:
-                step(inner)
+                if local_grads:
+                    step(inner)
+                if redistributed:
+                    dtensor_path.step(redistributed)
             finally:
                 for p in new:
                     local_state = self.state.get(self.stand_ins[id(p)])
@@ -303,3 +321,44 @@ def _like(p: torch.Tensor, v: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
     return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def same_layout(p: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether a DTensor ``p``'s gradient has ``p``'s mesh and placements, so that its local tensor is the gradient
+    of ``p``'s local shard (a ``Partial`` gradient holds only this rank's term of a sum)."""
+    return is_dtensor(grad) and grad.placements == p.placements and grad.device_mesh == p.device_mesh
+
+
+class DTensorPath:
+    """The step, through DTensor's ops, of tensors whose gradient is not laid out as they are.
+
+    The standard loop's optimizer gets a ``Partial`` gradient for a ``Replicate`` parameter and DTensor redistributes
+    it inside each op that reads it (for SGD with weight decay, ``grad + wd * p`` is formed on the partial terms,
+    then reduced: not the same bits as reducing first). Stepping those tensors with the same class, kernel and ops
+    on the DTensors is that arithmetic exactly. Its inner optimizer is built the first time a set of tensors needs
+    it (the same set every step, in a given model); the state is the facade's own."""
+
+    def __init__(self, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any],
+                 parts: list[tuple[dict[str, Any], dict[str, Any], list[torch.Tensor]]], state: dict) -> None:
+        self.cls = cls
+        self.kwargs = kwargs
+        self.parts = parts  # (the facade's live group, the kernel fixed for it, the bucket's tensors of that group)
+        self.state = state
+        self._built: dict[tuple[int, ...], InnerOptimizer] = {}
+
+    def step(self, params: list[torch.Tensor]) -> None:
+        key = tuple(id(p) for p in params)
+        inner = self._built.get(key)
+        if inner is None:
+            inner = self._built[key] = self._build({id(p) for p in params})
+        step_inner_optimizers([inner])
+
+    def _build(self, wanted: set[int]) -> InnerOptimizer:
+        parts = [(facade, fixed, [p for p in ps if id(p) in wanted]) for facade, fixed, ps in self.parts]
+        parts = [part for part in parts if part[2]]
+        optimizer = self.cls([{**hyperparameters(facade), "params": ps, **fixed} for facade, fixed, ps in parts],
+                             **self.kwargs)
+        optimizer.state = self.state
+        links = [GroupLink(ig, facade, {"params": ig["params"], **fixed})
+                 for ig, (facade, fixed, _) in zip(optimizer.param_groups, parts)]
+        return InnerOptimizer(optimizer, unwrapped_step(self.cls), links)

@@ -24,7 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from dist_optim._ddp import DDPCommHook, check_ddp, ddp_managed
 from dist_optim._engine import Engine, compiled_autograd_message
-from dist_optim._fingerprint import check_same_options, sharding_group
+from dist_optim._fingerprint import check_same_options, sharding_groups
 from dist_optim._frameworks import Watch, adapted_framework_above
 from dist_optim._fsdp2 import accumulated_unsharded, fsdp_units
 from dist_optim._grad_policy import GradPolicy, StepStats
@@ -63,9 +63,11 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     Args:
         params: what ``torch.optim`` accepts (tensors, ``named_parameters()``, param-group dicts) or an
             ``nn.Module``, whose frozen parameters are skipped: plain, DDP-wrapped (stepped after each bucket's
-            all-reduce) or FSDP2-sharded (stepped on the shards after reduce-scatter). A group may carry its own ``"optimizer_class"``;
-            such a group takes its options from the group dict and that class's defaults, not from
-            ``optimizer_kwargs``.
+            all-reduce), FSDP2-sharded (stepped on the shards after reduce-scatter) or tensor-parallel
+            (``parallelize_module``, alone or under FSDP2; a gradient whose placements differ from its
+            parameter's, such as a SequenceParallel norm's ``Partial`` one, is stepped through DTensor's ops).
+            A group may carry its own ``"optimizer_class"``; such a group takes its options from the group dict
+            and that class's defaults, not from ``optimizer_kwargs``.
         optimizer_class: a ``torch.optim.Optimizer`` subclass (not an instance), e.g. ``torch.optim.AdamW``.
         bucket_cap_mb: gradient bytes, in MiB, that a bucket holds at most before it is stepped. The gradients one
             autograd node computes together (a Linear's weight and bias) share a bucket even over the cap, since
@@ -121,8 +123,11 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         ValueError: a tensor is not a leaf, does not require grad, is on the meta device, or is given twice; the
             optimizer needs a closure (LBFGS); an engine option is out of range; under DDP or FSDP2, an option
             differs across ranks (raised on every rank).
-        RuntimeError: a multi-rank process group is initialised and ``allow_local_steps`` is not set; compiled
-            autograd is on.
+        RuntimeError: a multi-rank process group is initialised, some parameters are plain tensors (neither
+            DDP's nor DTensors, e.g. a norm left out of a tensor-parallel plan) and ``allow_local_steps`` is not
+            set; compiled autograd is on.
+        NotImplementedError: gradient norms (``max_grad_norm``, ``track_grad_norm``, ``nonfinite``) over plain
+            tensors next to DTensors; FSDP1; ``accumulation_steps > 1`` with DDP or DTensor parameters.
 
     Example:
         >>> import torch, dist_optim
@@ -259,9 +264,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             self._rank_norms()
             self._framework_watch.at_construction(self)
             if ddp is not None or any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
-                group = ddp.process_group if ddp is not None else sharding_group(
+                groups = [ddp.process_group] if ddp is not None else sharding_groups(
                     [p for g in self.param_groups for p in g["params"]])
-                check_same_options(self, group, accumulation_steps)
+                check_same_options(self, groups, accumulation_steps)
             if reductions is not None:
                 reductions.attach(self._engine)
                 self._ddp_hook = reductions
@@ -296,7 +301,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             known.add(id(p))
         tensors = [e[1] if isinstance(e, tuple) else e for e in entries]
         plain = [t for t in tensors if id(t) not in self._ddp_param_ids and not is_dtensor(t)]
-        check_single_process(self._allow_local_steps, plain)
+        every = list(chain((q for g in self.param_groups for q in g["params"]), tensors))
+        check_single_process(self._allow_local_steps, plain, next_to_dtensors=any(is_dtensor(t) for t in every))
+        _check_norms_over_kinds(self._policy_options, every)
         if plain and not self._allow_local_steps:
             self._recheck_world = True
         if self._accumulation_steps > 1 and any(is_dtensor(p) for p in tensors):
@@ -607,6 +614,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         }
         options = {**self._policy_options, **changes}
         policy = GradPolicy(**options)
+        _check_norms_over_kinds(options, [p for g in self.param_groups for p in g["params"]])
         if grad_norm_order is not _UNCHANGED:
             self._norm_order = self._norm_order_of(grad_norm_order)
         old = self._policy
@@ -818,6 +826,24 @@ class _EngineOwner:
                 opt.step()
             finally:
                 opt._finishing = False
+
+
+def _check_norms_over_kinds(options: dict[str, Any], params: list[torch.Tensor]) -> None:
+    """Gradient norms over DTensors and plain tensors together (plain norms next to a tensor-parallel model, with
+    allow_local_steps) fail in DTensor's foreach norm, as ``clip_grad_norm_`` does on them: refused before anything
+    steps instead of in the middle of a backward."""
+    measures = (options["track_grad_norm"] or options["max_grad_norm"] is not None
+                or options["nonfinite"] != "ignore")
+    if not measures or not params:
+        return
+    kinds = {is_dtensor(p) for p in params}
+    if len(kinds) > 1:
+        raise NotImplementedError(
+            "gradient norms (max_grad_norm, track_grad_norm or nonfinite checks) over plain tensors next to DTensor "
+            "ones (plain parameters in a tensor-parallel model, stepped with allow_local_steps=True): DTensor's norm "
+            "refuses the mix, as torch.nn.utils.clip_grad_norm_ does. Parallelize those parameters too "
+            "(SequenceParallel for norms) so that every parameter is a DTensor"
+        )
 
 
 def _first_tensor(groups: list[Any]) -> torch.Tensor:

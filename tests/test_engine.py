@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -186,6 +187,40 @@ def test_reentrant_checkpointing_is_refused_loudly():
     assert opt is not None
 
 
+@pytest.mark.parametrize("setting", ["per_parameter", "head-over-the-cap"])
+def test_reentrant_checkpointing_is_refused_before_a_bucket_outside_it_steps(setting):
+    """The head's gradient arrives before the segment's inner backward starts; with a bucket of its own (one per
+    tensor, or a head larger than the cap, as an LM head is) it used to be stepped before the refusal. The segment
+    is found in the graph at the first hook instead: nothing stepped, no state, no half-applied step."""
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    head_bytes = model.head.weight.numel() * 4
+    ib = {"per_parameter": True} if setting == "per_parameter" else {"bucket_cap_mb": (head_bytes - 1) / 2**20}
+    opt = InBackwardOptimizer(model, torch.optim.AdamW, **ib, lr=0.1, fused=True)
+    x, y = batches(1)[0]
+
+    def forward(reentrant: bool) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(model.layers[0], x.clone().requires_grad_(), use_reentrant=reentrant)
+        return nn.functional.mse_loss(model.head(model.norm(torch.tanh(model.layers[1](h)))), y)
+
+    for _ in range(2):  # and again: the refusal does not depend on having seen one
+        with pytest.raises(RuntimeError, match="use_reentrant=False"):
+            forward(reentrant=True).backward()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+        assert not opt.state and not opt.step_incomplete
+    # the next backward drops what the refused one left (said once), and the non-reentrant checkpoint is exact
+    with pytest.warns(RuntimeWarning, match="did not finish"):
+        forward(reentrant=False).backward()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, fused=True)
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # torch's load keeps same-kind tensors shared
+    forward(reentrant=False).backward()
+    h = torch.utils.checkpoint.checkpoint(ref.layers[0], x.clone().requires_grad_(), use_reentrant=False)
+    nn.functional.mse_loss(ref.head(ref.norm(torch.tanh(ref.layers[1](h)))), y).backward()
+    ref_opt.step()
+    assert_same_params(model, ref)
+
+
 @pytest.mark.parametrize("per_parameter", [False, True])
 def test_reentrant_segments_holding_every_parameter_are_refused(per_parameter):
     """Every parameter inside reentrant segments: each segment's inner backward would look like a whole training
@@ -243,3 +278,28 @@ def test_results_do_not_depend_on_bucket_size():
     train_standard(ref, torch.optim.AdamW(ref.parameters(), fused=True), data)
     for model, _ in results:
         assert_same_params(model, ref)
+
+
+@pytest.mark.parametrize("setting", ["per_parameter", "buckets"])
+def test_a_hook_registered_after_the_optimizer_is_named_before_it_sees_none(setting):
+    """A user's post-accumulate-grad hook registered after the optimizer's runs once the bucket its tensor completes
+    is stepped and freed: it finds ``.grad`` ``None`` (from the first backward per parameter, from the second with
+    learned buckets). That tensor is named once, with register_bucket_step_hook as the fix, before it can."""
+    model = make_model()
+    early: list[bool] = []  # a hook registered before the optimizer's sees every gradient, and is not named
+    model.head.bias.register_post_accumulate_grad_hook(lambda p: early.append(p.grad is None))
+    opt = InBackwardOptimizer(model, torch.optim.SGD, lr=0.1, per_parameter=setting == "per_parameter")
+    seen: list[tuple[str, bool, int]] = []  # (parameter, .grad is None, warnings so far)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda p, name=name: seen.append((name, p.grad is None, len(caught))))
+        for batch in batches(3):
+            loss_of(model, batch).backward()
+    named = [w for w in caught if "register_bucket_step_hook" in str(w.message)]
+    assert len(named) == 1, [str(w.message) for w in caught]
+    blind = [(name, k) for name, none, k in seen if none]
+    assert blind, "no hook saw None: the scenario tests nothing"
+    assert all(k >= 1 for _, k in blind), f"a hook saw None before the warning: {blind}"
+    assert str(named[0].message).startswith(blind[0][0] + " has a post-accumulate-grad hook registered after")
+    assert early == [False] * 3 and opt.last_step.params_stepped == 10

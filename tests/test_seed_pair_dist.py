@@ -122,6 +122,67 @@ def _refused_in_the_first_backward(ctx):
                for p in attached.parameters())
 
 
+# -- FSDP1 (use_orig_params=True): its runtime steps the pair's optimizers after its reduce-scatter ---------------
+def _fsdp1_pair(ctx, *, cls, kwargs, attach_first: bool) -> None:
+    """The pair on FSDP1's original parameters ends bitwise where FSDP1 + the standard loop ends (same optimizer
+    and kernel), whichever comes first: attaching (before ``init_process_group``) or wrapping (then attaching)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    base = make_model(width=WIDTH)
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
+    if attach_first:
+        apply_optimizer_in_backward(cls, model.parameters(), kwargs)
+        ctx.init_process_group()
+    model = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+    ref = FSDP(ref, device_id=torch.device("cpu"), use_orig_params=True)
+    if not attach_first:
+        apply_optimizer_in_backward(cls, model.parameters(), kwargs)
+    ref_opt = cls(ref.parameters(), **kwargs)
+    data = batches(3, width=WIDTH, seed=10 + dist.get_rank())  # each rank its own: the reduction matters
+    train_in_backward(model, data)
+    train_standard(ref, ref_opt, data)
+    assert all(p.grad is None for p in model.parameters()), "gradients left: FSDP1 did not step the pair"
+    steps = {int(o.state[p]["step"]) for p in model.parameters() for o in p._in_backward_optimizers
+             if "step" in o.state.get(p, {})}
+    assert steps <= {3}, f"the pair's optimizers stepped {steps} times, not once per backward"  # not by our hook too
+    with FSDP.summon_full_params(model), FSDP.summon_full_params(ref):
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), f"{name}: max |diff| {(p - q).abs().max().item()}"
+        assert not all(torch.equal(p, q) for p, q in zip(ref.parameters(), base.parameters()))
+    if attach_first:
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _fsdp1_attach_before_wrapping_is_refused(ctx) -> None:
+    """With the process group up, plain parameters cannot be known to be FSDP1's later: refused at the call,
+    naming the order that works."""
+    model = make_model(width=WIDTH)
+    with pytest.raises(RuntimeError, match=r"(?s)un-reduced gradient.*use_orig_params=True\)\) first and attach after"):
+        apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
+    assert not any(hasattr(p, "_in_backward_optimizers") for p in model.parameters())
+
+
+FSDP1_OPTIMIZERS = [(torch.optim.AdamW, {**ADAMW_HPARAMS, "fused": True}),
+                    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "foreach": True})]
+
+
+@pytest.mark.parametrize("cls,kwargs", FSDP1_OPTIMIZERS, ids=["AdamW-fused", "SGD-momentum-foreach"])
+def test_fsdp1_wrap_then_attach_equals_fsdp1_and_the_standard_loop(ranks, cls, kwargs):
+    ranks.run(2, _fsdp1_pair, cls=cls, kwargs=kwargs, attach_first=False)
+
+
+@pytest.mark.parametrize("cls,kwargs", FSDP1_OPTIMIZERS, ids=["AdamW-fused", "SGD-momentum-foreach"])
+def test_fsdp1_attach_before_the_group_equals_fsdp1_and_the_standard_loop(cls, kwargs):
+    run_fresh(2, _fsdp1_pair, init=False, cls=cls, kwargs=kwargs, attach_first=True)
+
+
+@pytest.mark.skipif(ACCELERATOR, reason="with an accelerator the call is accepted for torch's DDP to take over")
+def test_fsdp1_attach_with_the_group_up_before_wrapping_is_refused(ranks):
+    ranks.run(2, _fsdp1_attach_before_wrapping_is_refused)
+
+
 def _ddp_wrapped_model_is_freed(ctx):
     attached = _attached_before_the_group(ctx)
     ddp = DDP(attached)
