@@ -269,3 +269,100 @@ def test_exact_or_refused(key, cls, mode):
     if key in NOT_CONSTRUCTED:
         pytest.skip(NOT_CONSTRUCTED[key])
     _check_class(key, cls, mode)
+
+
+# -- the rule, on classes written here (no package needed) --------------------------------------------------------
+class GroupCounterSGD(torch.optim.Optimizer):
+    """Keeps its step count in the group, as pytorch-optimizer's and torch-optimi's classes do."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] / group["step"])
+
+
+class GlobalNormSGD(GroupCounterSGD):
+    """Scales every step by the group's gradient norm: couples the tensors of the group."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            grads = [p.grad for p in group["params"] if p.grad is not None]
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / norm, alpha=-group["lr"])
+
+    def calibrate(self):
+        """A public method of the class's own."""
+
+
+def test_group_counter_advances_once_per_step_through_schedulers_and_added_groups():
+    torch.manual_seed(0)
+    ref = Model()
+    model = copy.deepcopy(ref)
+    head = lambda m: [m.l2.weight, m.l2.bias]  # noqa: E731
+    rest = lambda m: [p for n, p in m.named_parameters() if not n.startswith("l2.")]  # noqa: E731
+    std = GroupCounterSGD(rest(ref))
+    opt = dist_optim.InBackwardOptimizer(rest(model), GroupCounterSGD, bucket_cap_mb=1e-4)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (std, opt)]
+    data = _data(4, seed=1)
+    for k, batch in enumerate(data):
+        if k == 2:  # a group added mid-training starts its own count
+            std.add_param_group({"params": head(ref)})
+            opt.add_param_group({"params": head(model)})
+        _standard(ref, std, [batch])
+        _in_backward(model, opt, [batch])
+        for s in scheds:
+            s.step()
+    assert len(opt.buckets) > 1
+    assert _differs(list(ref.parameters()), list(model.parameters())) is None
+    assert [g["step"] for g in opt.param_groups] == [g["step"] for g in std.param_groups] == [4, 2]
+    assert _differs(_state_dict(std), _state_dict(opt)) is None
+    resumed = copy.deepcopy(model)
+    again = dist_optim.InBackwardOptimizer(rest(resumed), GroupCounterSGD, bucket_cap_mb=1e-4)
+    again.add_param_group({"params": head(resumed)})
+    again.load_state_dict(std.state_dict())
+    assert [g["step"] for g in again.param_groups] == [4, 2]
+
+
+def test_a_coupled_class_is_refused_by_behaviour_and_exact_in_one_bucket():
+    torch.manual_seed(0)
+    model = Model()
+    before = _params(model)
+    with pytest.raises(NotImplementedError, match=r"GlobalNormSGD cannot be stepped one bucket at a time: its "
+                                                  r"parameters differ .*bucket_cap_mb=float\('inf'\)"):
+        dist_optim.InBackwardOptimizer(model, GlobalNormSGD, lr=0.1)
+    assert _differs(before, list(model.parameters())) is None
+    ref = copy.deepcopy(model)
+    std = GlobalNormSGD(list(ref.parameters()))
+    opt = dist_optim.InBackwardOptimizer(list(model.parameters()), GlobalNormSGD, bucket_cap_mb=float("inf"))
+    data = _data(3, seed=1)
+    _standard(ref, std, data)
+    _in_backward(model, opt, data)
+    assert _differs(list(ref.parameters()), list(model.parameters())) is None
+
+
+def test_methods_of_the_class_are_forwarded_or_refused_by_name():
+    model = Model()
+    opt = dist_optim.InBackwardOptimizer(model, GlobalNormSGD, bucket_cap_mb=float("inf"))
+    with pytest.raises(AttributeError, match="GlobalNormSGD.calibrate is not available on InBackwardOptimizer"):
+        opt.calibrate()
+    assert not hasattr(opt, "train") and not hasattr(opt, "eval")  # what HF Trainer tests before calling them
+    adamw = dist_optim.InBackwardOptimizer(Model(), torch.optim.AdamW, lr=1e-3)
+    assert not hasattr(adamw, "train")
+
+
+def test_probes_leave_the_random_stream_alone():
+    torch.manual_seed(0)
+    model, other = Model(), Model()
+    state = torch.get_rng_state()
+    dist_optim.InBackwardOptimizer(model, GroupCounterSGD, lr=0.1)  # probed by behaviour
+    dist_optim.InBackwardOptimizer(other, torch.optim.Adagrad, lr=0.1)  # torch's kernel probe
+    assert torch.equal(state, torch.get_rng_state())
