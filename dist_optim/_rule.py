@@ -78,8 +78,13 @@ def check_bucketable(
         try:
             reason = _compare(cls, group, kwargs, tensors, split=not one_step)
         except Exception as e:  # a class that fails on the probe cannot be shown to be exact: refused with why
-            reason = (f"stepping it on small tensors like this group's raised {type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else ''}".rstrip(": "))
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise NotImplementedError(
+                f"{name} cannot be stepped by InBackwardOptimizer: stepping it as its standard loop would, on "
+                f"small tensors like this group's, raised {type(e).__name__}: {first} (a class that needs a "
+                "closure, second-order gradients or tensors of other shapes cannot be checked). Use it with a "
+                "standard training loop"
+            ) from e
     if reason is None:
         return
     if one_step or reason.startswith(_OWN_ATTRIBUTE):

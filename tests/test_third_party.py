@@ -34,6 +34,7 @@ KWARGS: dict[str, dict] = {
                                                           "LARS8bit")},
     "pytorch_optimizer.Ranger21": {"num_iterations": 2 * STEPS},
     "pytorch_optimizer.BSAM": {"num_data": 6},
+    **{f"pytorch_optimizer.{n}": {"base_optimizer": torch.optim.SGD} for n in ("SAM", "FriendlySAM", "LookSAM")},
 }
 # Classes that take something else than parameters first, or need hardware this machine lacks: not constructed.
 NOT_CONSTRUCTED = {
@@ -158,7 +159,7 @@ def _state_dict(opt) -> dict:
 
 # Muon-style classes read "use_muon" in each group: the matrices take Muon, the rest its AdamW.
 USE_MUON = {"pytorch_optimizer.Muon", "pytorch_optimizer.AdaGO", "pytorch_optimizer.AdaMuon",
-            "pytorch_optimizer.NorMuon", "pytorch_optimizer.MuonClip"}
+            "pytorch_optimizer.NorMuon", "pytorch_optimizer.MuonClip", "pytorch_optimizer.DistributedMuon"}
 
 
 def _groups(key: str, model) -> list:
