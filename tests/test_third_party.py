@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import io
 import inspect
 import warnings
 
@@ -32,6 +33,10 @@ MODES = {
 KWARGS: dict[str, dict] = {
     **{f"bitsandbytes.{n}": {"momentum": 0.9} for n in ("SGD", "SGD32bit", "SGD8bit", "LARS", "LARS32bit",
                                                           "LARS8bit")},
+    # bitsandbytes keeps tensors below min_8bit_size (4096 elements) in 32 bits: these small ones take the 8-bit path
+    **{f"bitsandbytes.{n}": {"min_8bit_size": 16} for n in (
+        "AdEMAMix8bit", "Adagrad8bit", "Adam8bit", "AdamW8bit", "LAMB8bit", "Lion8bit", "PagedAdEMAMix8bit",
+        "PagedAdam8bit", "PagedAdamW8bit", "PagedLion8bit", "RMSprop8bit")},
     "pytorch_optimizer.Ranger21": {"num_iterations": 2 * STEPS},
     "pytorch_optimizer.BSAM": {"num_data": 6},
     **{f"pytorch_optimizer.{n}": {"base_optimizer": torch.optim.SGD} for n in ("SAM", "FriendlySAM", "LookSAM")},
@@ -77,7 +82,7 @@ def _classes() -> list:
 class Model(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.emb = nn.Embedding(10, 8)
+        self.emb = nn.Embedding(512, 8)  # 4096 elements: bitsandbytes and torchao quantise it (8/4-bit states)
         self.l1 = nn.Linear(8, 8)
         self.norm = nn.LayerNorm(8)
         self.l2 = nn.Linear(8, 4)
@@ -88,7 +93,7 @@ class Model(nn.Module):
 
 def _data(n: int, seed: int) -> list:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, 10, (6, 3), generator=g), torch.randn(6, 4, generator=g)) for _ in range(n)]
+    return [(torch.randint(0, 512, (6, 3), generator=g), torch.randn(6, 4, generator=g)) for _ in range(n)]
 
 
 def _loss(model: nn.Module, batch) -> torch.Tensor:
@@ -132,8 +137,12 @@ def _differs(a, b, where: str = "") -> str | None:
                 return d
         return None
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        subclass = hasattr(a, "__tensor_flatten__") or hasattr(b, "__tensor_flatten__")
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or subclass and type(a) is not type(b):
             return f"{where}: {type(a).__name__} vs {type(b).__name__}"
+        if subclass:  # a quantised state (torchao): its codes and scales
+            names = a.__tensor_flatten__()[0]
+            return _differs([getattr(a, n) for n in names], [getattr(b, n) for n in names], f"{where}{names}")
         if a.dtype != b.dtype or a.shape != b.shape:
             return f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
         if torch.equal(a, b) or (a.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all())):
@@ -150,8 +159,16 @@ def _differs(a, b, where: str = "") -> str | None:
     return None if same else f"{where}: {a!r} != {b!r}"
 
 
+def _copy(value):
+    """A deep copy that quantised states survive (torchao's subclasses have no clone)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
 def _state_dict(opt) -> dict:
-    sd = copy.deepcopy(opt.state_dict())
+    sd = _copy(opt.state_dict())
     for g in sd["param_groups"]:
         g.pop("param_names", None)
     return sd
@@ -243,11 +260,11 @@ def _check_class(key: str, cls, mode: str) -> str:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         std_e = _build(cls, resumed[0], kwargs, key)
-        std_e.load_state_dict(copy.deepcopy(std.state_dict()))
+        std_e.load_state_dict(_copy(std.state_dict()))
         opt_c = dist_optim.InBackwardOptimizer(_groups(key, resumed[1]), cls, **MODES[mode], **kwargs)
-        opt_c.load_state_dict(copy.deepcopy(std.state_dict()))
+        opt_c.load_state_dict(_copy(std.state_dict()))
         std_d = _build(cls, resumed[2], kwargs, key)
-        std_d.load_state_dict(copy.deepcopy(opt.state_dict()))
+        std_d.load_state_dict(_copy(opt.state_dict()))
         for o, m, loop in ((std_e, resumed[0], _standard), (opt_c, resumed[1], _in_backward),
                            (std_d, resumed[2], _standard)):
             _modes(o, "train")
@@ -367,3 +384,40 @@ def test_probes_leave_the_random_stream_alone():
     dist_optim.InBackwardOptimizer(model, GroupCounterSGD, lr=0.1)  # probed by behaviour
     dist_optim.InBackwardOptimizer(other, torch.optim.Adagrad, lr=0.1)  # torch's kernel probe
     assert torch.equal(state, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("path", ["optimi.AdamW", "schedulefree.AdamWScheduleFree", "bitsandbytes.optim.Adam8bit",
+                                  "torchao.optim.AdamW8bit"])
+def test_checkpoint_round_trip(path, tmp_path):
+    """dist_optim.checkpoint keeps what these classes keep: group tensors (torch-optimi's step), schedule-free's
+    group keys, bitsandbytes' 8-bit codes and their scales, and the run resumes exactly; torchao's quantised
+    states (tensor subclasses) are refused at save, before anything is written."""
+    from dist_optim.checkpoint import load, save
+
+    module, _, name = path.rpartition(".")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cls = getattr(pytest.importorskip(module), name)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 1))  # 4096: quantised by both packages
+    resumed = copy.deepcopy(model)
+    opt = dist_optim.InBackwardOptimizer(model, cls, lr=1e-2, bucket_cap_mb=1e-4)
+    _modes(opt, "train")
+    x = torch.randn(4, 16)
+    for _ in range(2):
+        model(x).square().mean().backward()
+    if module == "torchao.optim":  # its states are tensor subclasses, which load back as plain tensors: refused
+        with pytest.raises(NotImplementedError, match="'exp_avg' of 0.weight is a OptimState8bit"):
+            save(str(tmp_path / "ck"), model=model, optimizer=opt)
+        return
+    save(str(tmp_path / "ck"), model=model, optimizer=opt)
+    again = dist_optim.InBackwardOptimizer(resumed, cls, lr=1e-2, bucket_cap_mb=1e-4)
+    load(str(tmp_path / "ck"), model=resumed, optimizer=again)
+    _modes(again, "train")
+    assert _differs(_state_dict(opt), _state_dict(again)) is None
+    if "8bit" in name:  # the quantised path, not the 32-bit one small tensors take
+        codes = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        assert any(v.dtype == torch.uint8 or "8bit" in type(v).__name__.lower() for v in codes), opt.state
+    for m in (model, resumed):
+        m(x).square().mean().backward()
+    assert _differs(list(model.parameters()), list(resumed.parameters())) is None
