@@ -473,11 +473,12 @@ class Engine:
         if not bw.began:
             bw.began = True
             self.incomplete = True
+            self.recipe.started.clear()  # group-level state: each group's first bucket of this step writes it
             self.owner.step_begins()
         t0 = time.perf_counter()
         stepped = list(b.params) if complete else [p for p in b.params if p.grad is not None]
         try:
-            step_inner_optimizers(b.inners)
+            step_inner_optimizers(b.inners, self.recipe.started)
         finally:
             b.arrived = 0
         bw.stepped += len(stepped)

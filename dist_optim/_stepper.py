@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from dist_optim._inputs import is_dtensor
+from dist_optim._rule import check_bucketable, is_torch_step, no_rng
 
 __all__: list[str] = []
 
@@ -58,12 +59,49 @@ class InnerOptimizer(NamedTuple):
     groups: list[GroupLink]
 
 
-def step_inner_optimizers(inners: list[InnerOptimizer]) -> None:
+def step_inner_optimizers(inners: list[InnerOptimizer], started: dict[int, dict[str, Any]]) -> None:
+    """Step a bucket's inner optimizers, carrying group-level state (keys a class writes into its groups: step
+    counters, D-Adaptation's ``d``, schedule-free's ``k``) as one copy per facade group.
+
+    ``started`` maps ``id(facade group)`` to that group's options as they were before its first bucket of this
+    training step (the caller empties it when a training step begins). The first bucket of a group steps on the
+    facade's values and writes what the class wrote back into the facade group; every later bucket of that group
+    steps on the values from before the step, as the standard loop's single ``step()`` call sees them for all of
+    the group's tensors, so a counter the class advances per call advances once per training step. That the
+    class writes the same values whichever tensors it stepped is what :func:`dist_optim._rule.check_bucketable`
+    checked at construction.
+    """
     for inner in inners:
+        first = []
         for link in inner.groups:
-            link.inner.update(link.facade)
-            link.inner.update(link.fixed)
+            before = started.get(id(link.facade))
+            if before is None:
+                started[id(link.facade)] = _snapshot(link.facade)
+                _mirror(link.inner, link.facade, link.fixed)
+                first.append(link)
+            else:
+                _mirror(link.inner, _snapshot(before), link.fixed)
         inner.step(inner.optimizer)
+        for link in first:
+            for k, v in link.inner.items():
+                if k not in link.fixed:
+                    link.facade[k] = v
+
+
+def _snapshot(group: dict[str, Any]) -> dict[str, Any]:
+    """A group's options as they are now: tensors (a counter the class advances in place) cloned."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k not in _TENSORS}
+
+
+_TENSORS = ("params", "param_names")
+
+
+def _mirror(inner: dict[str, Any], source: dict[str, Any], fixed: dict[str, Any]) -> None:
+    """Make ``inner`` the group ``source`` describes, but for ``fixed`` (the bucket's tensors, the kernel)."""
+    for k in [k for k in inner if k not in source and k not in fixed]:
+        del inner[k]
+    inner.update({k: v for k, v in source.items() if k not in _TENSORS})
+    inner.update(fixed)
 
 
 class Recipe:
@@ -78,15 +116,30 @@ class Recipe:
         self.kwargs = dict(kwargs)
         self.classes: list[type[torch.optim.Optimizer]] = []  # per group
         self.kernels: list[dict[str, Any]] = []  # per group: {"fused": True}, {"foreach": True} or {}
+        self.one_step = False  # every training step is one call per class over all its groups (one bucket)
+        self.started: dict[int, dict[str, Any]] = {}  # this training step: id(facade group) -> its options before
 
     def kwargs_for(self, cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
         """A group with its own class takes its options from the group and that class's defaults."""
         return self.kwargs if cls is self.optimizer_class else {}
 
-    def defaults(self, like: torch.Tensor) -> dict[str, Any]:
-        """``optimizer_class``'s defaults with the user's options, built on a tensor of ``like``'s kind."""
+    def defaults(self, like: torch.Tensor, groups: list[Any]) -> dict[str, Any]:
+        """``optimizer_class``'s defaults with the user's options, built on a tensor of ``like``'s kind, else (a
+        class that reads keys of the user's groups, such as Muon's ``use_muon``) on the user's groups."""
         dummy = torch.zeros(1, 1, dtype=like.dtype, device=like.device, requires_grad=True)
-        return dict(self.optimizer_class([dummy], **self.kwargs).defaults)
+        with no_rng([like]):
+            try:
+                return dict(self.optimizer_class([dummy], **self.kwargs).defaults)
+            except Exception:
+                if is_torch_step(self.optimizer_class):
+                    raise  # torch's classes build on any tensor: the error is the user's options'
+            mine = [g for g in groups if not (isinstance(g, dict) and "optimizer_class" in g)]
+            return dict(self.optimizer_class(mine, **self.kwargs).defaults)
+
+    def check(self, cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> None:
+        """Refuse a group ``cls`` cannot step one bucket at a time (:func:`dist_optim._rule.check_bucketable`)."""
+        one_step = self.one_step and not any(is_dtensor(p) for p in group["params"])
+        check_bucketable(cls, group, self.kwargs_for(cls), one_step)
 
     def fill(self, cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> torch.optim.Optimizer:
         """An optimizer over ``group`` alone: ``cls`` fills in its defaults and checks its options and tensors."""
@@ -109,7 +162,13 @@ class Recipe:
         # An inner optimizer never mixes device meshes, nor DTensors with plain tensors: DTensor's foreach and fused
         # ops refuse such lists (plain tensors next to DTensors: allow_local_steps under tensor parallel)
         by_class: dict[tuple[type, Any], list[tuple[int, bool, list[torch.Tensor]]]] = {}
-        for gi, sparse, ps in parts:
+        positions: dict[int, dict[int, int]] = {}  # group index -> id(param) -> its place in the group
+        for gi, sparse, ps in sorted(parts, key=lambda part: part[:2]):
+            if gi not in positions:
+                positions[gi] = {id(p): k for k, p in enumerate(groups[gi]["params"])}
+            # the group's order, not arrival order: a class that sums or draws over its tensors does it in the order
+            # the standard loop does (one bucket is then that loop's step)
+            ps = sorted(ps, key=lambda p: positions[gi].get(id(p), 0))
             meshes = [p.device_mesh if is_dtensor(p) else None for p in ps]
             for mesh in dict.fromkeys(meshes):
                 part = (gi, sparse, ps if len(set(meshes)) == 1 else [p for p, m in zip(ps, meshes) if m == mesh])
@@ -132,7 +191,7 @@ class Recipe:
             step = unwrapped_step(cls)
             if shards is not None:
                 dtensor_path = DTensorPath(cls, self.kwargs_for(cls), [
-                    (groups[gi], k, ps) for (gi, _, ps), k in zip(cls_parts, fixed)], state)
+                    (groups[gi], k, ps) for (gi, _, ps), k in zip(cls_parts, fixed)], state, self.started)
                 step = shards.stepper(step, state, dtensor_path)
             elif cls in _FUSED_ADAM and all(k.get("fused") or g.get("fused") for k, g in zip(
                     fixed, (groups[gi] for gi, _, _ in cls_parts))) and _one_kind(params):
@@ -205,8 +264,11 @@ class FusedAdamStep:
 
 # -- the kernel ---------------------------------------------------------------------------------------------------
 def choose_kernel(cls: type[torch.optim.Optimizer], group: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Pick ``fused`` (else ``foreach``) for a group whose user left both unset, if it runs on these tensors."""
+    """Pick ``fused`` (else ``foreach``) for a group whose user left both unset, if it runs on these tensors; a
+    class that does not step with torch's own step keeps its own default (its ``None`` may mean something else)."""
     if group.get("fused") is not None or group.get("foreach") is not None or group.get("differentiable"):
+        return {}
+    if not is_torch_step(cls):
         return {}
     for flag in ("fused", "foreach"):
         if flag == "fused" and issubclass(cls, torch.optim.SGD):
@@ -228,8 +290,9 @@ def kernel_runs(cls: type[torch.optim.Optimizer], group: dict[str, Any], kwargs:
             seen.add(key)
             probes.append(_probe_like(p))
     try:
-        opt = cls([{**hyperparameters(group), "params": probes, flag: True}], **kwargs)
-        unwrapped_step(cls)(opt)
+        with no_rng(probes):
+            opt = cls([{**hyperparameters(group), "params": probes, flag: True}], **kwargs)
+            unwrapped_step(cls)(opt)
     except (RuntimeError, ValueError, TypeError, NotImplementedError):
         return False
     return True
@@ -339,11 +402,13 @@ class DTensorPath:
     it (the same set every step, in a given model); the state is the facade's own."""
 
     def __init__(self, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any],
-                 parts: list[tuple[dict[str, Any], dict[str, Any], list[torch.Tensor]]], state: dict) -> None:
+                 parts: list[tuple[dict[str, Any], dict[str, Any], list[torch.Tensor]]], state: dict,
+                 started: dict[int, dict[str, Any]]) -> None:
         self.cls = cls
         self.kwargs = kwargs
         self.parts = parts  # (the facade's live group, the kernel fixed for it, the bucket's tensors of that group)
         self.state = state
+        self.started = started  # the recipe's: group-level state carried once per facade group and training step
         self._built: dict[tuple[int, ...], InnerOptimizer] = {}
 
     def step(self, params: list[torch.Tensor]) -> None:
@@ -351,7 +416,7 @@ class DTensorPath:
         inner = self._built.get(key)
         if inner is None:
             inner = self._built[key] = self._build({id(p) for p in params})
-        step_inner_optimizers([inner])
+        step_inner_optimizers([inner], self.started)
 
     def _build(self, wanted: set[int]) -> InnerOptimizer:
         parts = [(facade, fixed, [p for p in ps if id(p) in wanted]) for facade, fixed, ps in self.parts]

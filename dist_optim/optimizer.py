@@ -8,6 +8,7 @@ the gradients of a bucket are ready, and those gradients are freed at once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import sys
 import warnings
@@ -38,7 +39,8 @@ from dist_optim._inputs import (
     module_params,
 )
 from dist_optim._owners import check_unowned, is_owned, record_owner, release
-from dist_optim._stepper import Recipe
+from dist_optim._rule import MODE_SWITCHES, no_rng, switch_mode
+from dist_optim._stepper import Recipe, hyperparameters
 
 __all__: list[str] = []
 
@@ -256,7 +258,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             reductions,
             frozenset(ddp_managed(ddp)) if ddp is not None else frozenset(),
         )
-        defaults = self._recipe.defaults(_first_tensor(groups))
+        self._recipe.one_step = math.isinf(bucket_cap_mb) and not per_parameter and ddp is None
+        defaults = self._recipe.defaults(_first_tensor(groups), groups)
         self._framework_watch = Watch()  # a framework that clips or accumulates after backward: refused
         try:
             super().__init__(groups, defaults)
@@ -274,6 +277,33 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         except BaseException:
             self.remove()  # nothing stays attached from the groups that were accepted before the bad one
             raise
+
+    # -- what the wrapped class adds ----------------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        """``train()``/``eval()`` of a class that has them (schedule-free), run on this optimizer's groups and
+        state; any other attribute the class adds is refused by name (it would act on one bucket's optimizer, or
+        on none), so that ``hasattr(opt, name)`` is ``False`` for it as for any missing attribute."""
+        recipe = self.__dict__.get("_recipe")
+        if recipe is None or name.startswith("_"):
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        classes = [c for c in dict.fromkeys(recipe.classes or [recipe.optimizer_class]) if hasattr(c, name)]
+        if name in MODE_SWITCHES and all(callable(getattr(c, name)) for c in classes) and classes:
+            return functools.partial(self._switch_mode, name)
+        if classes:
+            raise AttributeError(
+                f"{classes[0].__name__}.{name} is not available on InBackwardOptimizer: it is not forwarded, since "
+                "it would act on the optimizer of one bucket (or of none) rather than on this optimizer's groups "
+                f"and state. Use {classes[0].__name__} with a standard training loop if you need it"
+            )
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def _switch_mode(self, name: str) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            raise RuntimeError(f"{name}() was called during a backward; call it between two steps")
+        for cls in dict.fromkeys(self._recipe.classes):
+            if callable(getattr(cls, name, None)):
+                groups = [g for c, g in zip(self._recipe.classes, self.param_groups) if c is cls]
+                switch_mode(cls, name, groups, self.state, self.defaults)
 
     # -- groups -------------------------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -327,6 +357,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             )
         by_id = {id(p): n for p, n in zip(filled["params"], names)}
         check_unowned(filled["params"], self, lambda p: by_id.get(id(p), "<unknown>"))
+        self._recipe.check(cls, filled)  # before anything is recorded: a refused group leaves no trace
         self.state.update(probe.state)  # state some classes create at construction (Adagrad's sum)
         self.param_groups.append(filled)
         self._recipe.add_group(cls, filled)
@@ -743,7 +774,17 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         """``optimizer_class``'s state dict format. With ``clip_mode="previous_norm"`` after a step, one more key,
         ``"in_backward"``, holds the previous step's gradient norm, which the next step clips with (torch's
         ``load_state_dict`` ignores it)."""
-        state_dict = super().state_dict()
+        own = self._own("state_dict")
+        if own is None:
+            state_dict = super().state_dict()
+        else:  # the class's own format (bitsandbytes nests its quantised state), with this optimizer's hooks
+            for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+                pre_hook(self)
+            shell = self._shell(own)
+            state_dict = own.state_dict(shell)
+            for post_hook in self._optimizer_state_dict_post_hooks.values():
+                result = post_hook(self, state_dict)
+                state_dict = state_dict if result is None else result
         extra = self._policy.extra_state()  # a collective for a DTensor norm: state_dict() is called on every rank
         if extra:
             state_dict["in_backward"] = extra
@@ -751,13 +792,42 @@ class InBackwardOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict written by this class or by ``optimizer_class`` itself (same format)."""
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "in_backward"})
+        own = self._own("load_state_dict")
+        if own is None:
+            super().load_state_dict({k: v for k, v in state_dict.items() if k != "in_backward"})
+        else:  # the class's own load (bitsandbytes keeps uint8 codes; pytorch-optimizer restores dtypes)
+            loaded = {k: v for k, v in state_dict.items() if k != "in_backward"}
+            for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+                result = pre_hook(self, loaded)
+                loaded = loaded if result is None else result
+            shell = self._shell(own)
+            own.load_state_dict(shell, loaded)
+            self.state, self.param_groups = shell.state, shell.param_groups
+            for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+                post_hook(self)
         self._convert_loaded_state()
         self._recipe.choose_kernels()
         self._engine.rebuild()
         first = next((p for g in self.param_groups for p in g["params"]), None)
         if first is not None:
             self._policy.load_extra_state(state_dict.get("in_backward") or {}, like=first)
+
+    def _own(self, method: str) -> type[torch.optim.Optimizer] | None:
+        """The optimizer class, if this optimizer has one class and it overrides ``torch.optim``'s ``method``."""
+        classes = set(self._recipe.classes)
+        if len(classes) != 1:
+            return None
+        cls = classes.pop()
+        return cls if getattr(cls, method) is not getattr(torch.optim.Optimizer, method) else None
+
+    def _shell(self, cls: type[torch.optim.Optimizer]) -> torch.optim.Optimizer:
+        """An instance of ``cls`` built as the standard loop builds it (its own attributes), holding this
+        optimizer's live groups and state, for the class's own ``state_dict``/``load_state_dict``."""
+        with no_rng([p for g in self.param_groups for p in g["params"]]):
+            shell = cls([{**hyperparameters(g), "params": g["params"]} for g in self.param_groups],
+                        **self._recipe.kwargs_for(cls))
+        shell.state, shell.param_groups = self.state, self.param_groups
+        return shell
 
     def _convert_loaded_state(self) -> None:
         """Let each group's optimizer class bring loaded state and groups to its current format, as its own

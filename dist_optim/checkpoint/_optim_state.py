@@ -87,6 +87,13 @@ def collect(req: SaveRequest, snap: Snapshot) -> None:
     for group_names, g, cls in zip(names, optimizer.param_groups, group_classes(optimizer)):
         for name, p in zip(group_names, g["params"]):
             for key, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and type(v) not in (torch.Tensor, nn.Parameter) and not is_dtensor(v):
+                    raise NotImplementedError(
+                        f"optimizer state {key!r} of {name} is a {type(v).__name__} (a quantised state, as torchao's "
+                        "8-bit and 4-bit optimizers keep): dist_optim.checkpoint would load it back as a plain "
+                        "tensor of its shape, and the optimizer would then step differently. Save this optimizer "
+                        "with torch.save(optimizer.state_dict()) for now"
+                    )
                 if isinstance(v, torch.Tensor) and v.dim() > 0 or is_dtensor(v):
                     snap.tensors[f"optim/{name}/{key}"] = v
                 elif isinstance(v, torch.Tensor):

@@ -11,6 +11,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ._storage import CheckpointError
 
 __all__: list[str] = []
@@ -24,6 +26,8 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_number(v: Any) -> bool:
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point():
+        v = v.item()  # a hyperparameter some classes keep as a tensor (torchao's lr), as the codec writes it
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 

@@ -1,0 +1,423 @@
+"""Every optimizer class of the packages users bring (pytorch-optimizer, torch-optimi, schedulefree, bitsandbytes,
+torchao, torch.optim's own): exact with its own standard loop, state-dict round trips included, or refused at
+construction before anything steps.
+
+Each class trains a small model (an embedding, Linear layers, a LayerNorm) with its own loop and in backward in one
+bucket, several buckets and per parameter, with the class's own kernel defaults on both sides (the same code runs
+on both: bitwise). A refusal must be a ``NotImplementedError`` (or the class's own construction error, which the
+standard loop raises too) and leave the parameters and torch's random stream as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import io
+import inspect
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import dist_optim
+from dist_optim._rule import is_torch_step
+
+STEPS = 2  # per phase: train, then resume across (a counter written at step 1 is read at step 2)
+MODES = {
+    "one_bucket": {"bucket_cap_mb": float("inf")},
+    "buckets": {"bucket_cap_mb": 1e-4},  # each autograd node's gradients a bucket of their own
+    "per_parameter": {"per_parameter": True},
+}
+# Options a class needs beyond lr to be built on a plain parameter list, or to step on CPU.
+KWARGS: dict[str, dict] = {
+    **{f"bitsandbytes.{n}": {"momentum": 0.9} for n in ("SGD", "SGD32bit", "SGD8bit", "LARS", "LARS32bit",
+                                                          "LARS8bit")},
+    # bitsandbytes keeps tensors below min_8bit_size (4096 elements) in 32 bits: these small ones take the 8-bit path
+    **{f"bitsandbytes.{n}": {"min_8bit_size": 16} for n in (
+        "AdEMAMix8bit", "Adagrad8bit", "Adam8bit", "AdamW8bit", "LAMB8bit", "Lion8bit", "PagedAdEMAMix8bit",
+        "PagedAdam8bit", "PagedAdamW8bit", "PagedLion8bit", "RMSprop8bit")},
+    "pytorch_optimizer.Ranger21": {"num_iterations": 2 * STEPS},
+    "pytorch_optimizer.BSAM": {"num_data": 6},
+    **{f"pytorch_optimizer.{n}": {"base_optimizer": torch.optim.SGD} for n in ("SAM", "FriendlySAM", "LookSAM")},
+}
+# Classes that take something else than parameters first, or need hardware this machine lacks: not constructed.
+NOT_CONSTRUCTED = {
+    "pytorch_optimizer.Lookahead": "wraps another optimizer instance",
+    "pytorch_optimizer.PCGrad": "wraps another optimizer instance",
+    "pytorch_optimizer.ScheduleFreeWrapper": "wraps another optimizer instance",
+    "pytorch_optimizer.OrthoGrad": "wraps another optimizer class",
+    "pytorch_optimizer.TRAC": "wraps another optimizer instance",
+    "pytorch_optimizer.SafeFP16Optimizer": "wraps another optimizer instance",
+    "pytorch_optimizer.AdamMini": "takes the model, not parameters",
+    "pytorch_optimizer.LOMO": "takes the model, not parameters",
+    "pytorch_optimizer.AdaLOMO": "takes the model, not parameters",
+    "torch.SparseAdam": "needs sparse gradients",
+}
+PACKAGES = ["pytorch_optimizer", "optimi", "schedulefree", "bitsandbytes.optim", "torchao.optim", "torch.optim"]
+
+
+def _classes() -> list:
+    out = []
+    for package in PACKAGES:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                module = importlib.import_module(package)
+        except Exception as e:  # noqa: BLE001 - any import failure means the package is not usable here
+            out.append(pytest.param(package, None, marks=pytest.mark.skip(reason=f"{package}: {e}"), id=package))
+            continue
+        seen = {}
+        for name in sorted(dir(module)):
+            cls = getattr(module, name)
+            if (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer
+                    and cls not in seen.values()):
+                seen[name] = cls
+        for name, cls in seen.items():
+            key = f"{package.split('.')[0]}.{name}"
+            out.append(pytest.param(key, cls, id=key))
+    return out
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(512, 8)  # 4096 elements: bitsandbytes and torchao quantise it (8/4-bit states)
+        self.l1 = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.l2 = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.norm(torch.tanh(self.l1(self.emb(x).mean(1)))))
+
+
+def _data(n: int, seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 512, (6, 3), generator=g), torch.randn(6, 4, generator=g)) for _ in range(n)]
+
+
+def _loss(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def _standard(model, opt, data) -> None:
+    for batch in data:
+        _loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _in_backward(model, opt, data) -> None:
+    for batch in data:
+        _loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _params(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _differs(a, b, where: str = "") -> str | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return f"{where}: keys {sorted(map(str, set(a) ^ set(b)))}"
+        for k in a:
+            d = _differs(a[k], b[k], f"{where}[{k!r}]")
+            if d:
+                return d
+        return None
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return f"{where}: lengths {len(a)} != {len(b)}"
+        for k, (x, y) in enumerate(zip(a, b)):
+            d = _differs(x, y, f"{where}[{k}]")
+            if d:
+                return d
+        return None
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        subclass = hasattr(a, "__tensor_flatten__") or hasattr(b, "__tensor_flatten__")
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or subclass and type(a) is not type(b):
+            return f"{where}: {type(a).__name__} vs {type(b).__name__}"
+        if subclass:  # a quantised state (torchao): its codes and scales
+            names = a.__tensor_flatten__()[0]
+            return _differs([getattr(a, n) for n in names], [getattr(b, n) for n in names], f"{where}{names}")
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        if torch.equal(a, b) or (a.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all())):
+            return None
+        return f"{where}: values differ (max {(a.double() - b.double()).abs().max().item():.3g})"
+    if type(a) is not type(b):
+        return f"{where}: {type(a).__name__} vs {type(b).__name__}"
+    if hasattr(a, "__dict__") and not callable(a):  # an object kept in the state (a preconditioner): its fields
+        return _differs(vars(a), vars(b), where)
+    try:
+        same = a == b or (a != a and b != b)
+    except Exception:  # noqa: BLE001 - values without a usable ==
+        same = True
+    return None if same else f"{where}: {a!r} != {b!r}"
+
+
+def _copy(value):
+    """A deep copy that quantised states survive (torchao's subclasses have no clone)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def _state_dict(opt) -> dict:
+    sd = _copy(opt.state_dict())
+    for g in sd["param_groups"]:
+        g.pop("param_names", None)
+    return sd
+
+
+# Muon-style classes read "use_muon" in each group: the matrices take Muon, the rest its AdamW.
+USE_MUON = {"pytorch_optimizer.Muon", "pytorch_optimizer.AdaGO", "pytorch_optimizer.AdaMuon",
+            "pytorch_optimizer.NorMuon", "pytorch_optimizer.MuonClip", "pytorch_optimizer.DistributedMuon"}
+
+
+def _groups(key: str, model) -> list:
+    params = list(model.parameters())
+    if key not in USE_MUON:
+        return params
+    return [{"params": [p for p in params if p.ndim == 2], "use_muon": True},
+            {"params": [p for p in params if p.ndim != 2], "use_muon": False}]
+
+
+def _build(cls, model, kwargs, key: str = ""):
+    return cls(_groups(key, model), **kwargs)
+
+
+def _modes(opt, name: str) -> None:
+    method = getattr(opt, name, None)
+    if callable(method):
+        method()
+
+
+def _kwargs(key: str, cls) -> dict:
+    kwargs = {"lr": 1e-3, **KWARGS.get(key, {})}
+    if is_torch_step(cls) and "foreach" in inspect.signature(cls.__init__).parameters:
+        kwargs["foreach"] = True  # a torch class with both unset gets dist_optim's kernel: name it on both sides
+    return kwargs
+
+
+def _check_class(key: str, cls, mode: str) -> str:
+    kwargs = _kwargs(key, cls)
+    data = _data(2 * STEPS, seed=1)
+    first, second = data[:STEPS], data[STEPS:]
+    torch.manual_seed(0)
+    ref = Model()
+    model = copy.deepcopy(ref)
+    before = _params(model)
+    torch.manual_seed(5)
+    own_loop_fails = None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            std = _build(cls, ref, kwargs, key)
+            rng_std = torch.get_rng_state()
+            _modes(std, "train")
+            torch.manual_seed(2)
+            _standard(ref, std, first)
+    except Exception as e:  # noqa: BLE001 - a class its own plain loop cannot step (a closure, a Hessian)
+        own_loop_fails = f"its own loop fails here: {type(e).__name__}: {str(e)[:200]}"
+    torch.manual_seed(5)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt = dist_optim.InBackwardOptimizer(_groups(key, model), cls, **MODES[mode], **kwargs)
+    except (NotImplementedError, ValueError) as e:  # ValueError: a class that needs a closure (LBFGS)
+        if own_loop_fails and not isinstance(e, NotImplementedError) and "closure" not in str(e):
+            pytest.skip(own_loop_fails)  # the class's own construction error
+        assert cls.__name__ in str(e), e
+        assert isinstance(e, NotImplementedError) or "closure" in str(e), e
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "refused after stepping"
+        return f"refused: {e}"
+    except Exception as e:  # noqa: BLE001 - the class's own construction error, as in its own loop
+        if own_loop_fails:
+            pytest.skip(own_loop_fails)
+        raise
+    if own_loop_fails:
+        pytest.skip(f"{own_loop_fails}; accepted in backward, where its step fails the same way")
+    assert torch.equal(rng_std, torch.get_rng_state()), "construction drew other random numbers than the class's"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _modes(opt, "train")
+        torch.manual_seed(2)
+        _in_backward(model, opt, first)
+    diff = _differs([p.detach() for p in ref.parameters()], [p.detach() for p in model.parameters()], "params")
+    assert diff is None, f"training differs: {diff}"
+    sd_std, sd_ib = _state_dict(std), _state_dict(opt)
+    diff = _differs(sd_std, sd_ib, "state_dict")
+    assert diff is None, f"state dicts differ: {diff}"
+    # resume across, against the class's own resume (a class may keep something outside its state dict, such as
+    # a random generator, which no resume carries): the standard loop's state dict into a new standard optimizer
+    # and into a new in-backward one, and the in-backward one's into a new standard one
+    resumed = [copy.deepcopy(ref) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        std_e = _build(cls, resumed[0], kwargs, key)
+        std_e.load_state_dict(_copy(std.state_dict()))
+        opt_c = dist_optim.InBackwardOptimizer(_groups(key, resumed[1]), cls, **MODES[mode], **kwargs)
+        opt_c.load_state_dict(_copy(std.state_dict()))
+        std_d = _build(cls, resumed[2], kwargs, key)
+        std_d.load_state_dict(_copy(opt.state_dict()))
+        for o, m, loop in ((std_e, resumed[0], _standard), (opt_c, resumed[1], _in_backward),
+                           (std_d, resumed[2], _standard)):
+            _modes(o, "train")
+            torch.manual_seed(3)
+            loop(m, o, second)
+            _modes(o, "eval")
+    expected = [p.detach() for p in resumed[0].parameters()]
+    diff = _differs(expected, [p.detach() for p in resumed[1].parameters()], "params")
+    assert diff is None, f"standard -> in-backward resume differs: {diff}"
+    diff = _differs(expected, [p.detach() for p in resumed[2].parameters()], "params")
+    assert diff is None, f"in-backward -> standard resume differs: {diff}"
+    diff = _differs(_state_dict(std_e), _state_dict(opt_c), "state_dict")
+    assert diff is None, f"state dicts differ after a resume: {diff}"
+    return "exact"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("key,cls", _classes())
+def test_exact_or_refused(key, cls, mode):
+    if key in NOT_CONSTRUCTED:
+        pytest.skip(NOT_CONSTRUCTED[key])
+    _check_class(key, cls, mode)
+
+
+# -- the rule, on classes written here (no package needed) --------------------------------------------------------
+class GroupCounterSGD(torch.optim.Optimizer):
+    """Keeps its step count in the group, as pytorch-optimizer's and torch-optimi's classes do."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] / group["step"])
+
+
+class GlobalNormSGD(GroupCounterSGD):
+    """Scales every step by the group's gradient norm: couples the tensors of the group."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            grads = [p.grad for p in group["params"] if p.grad is not None]
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / norm, alpha=-group["lr"])
+
+    def calibrate(self):
+        """A public method of the class's own."""
+
+
+def test_group_counter_advances_once_per_step_through_schedulers_and_added_groups():
+    torch.manual_seed(0)
+    ref = Model()
+    model = copy.deepcopy(ref)
+    head = lambda m: [m.l2.weight, m.l2.bias]  # noqa: E731
+    rest = lambda m: [p for n, p in m.named_parameters() if not n.startswith("l2.")]  # noqa: E731
+    std = GroupCounterSGD(rest(ref))
+    opt = dist_optim.InBackwardOptimizer(rest(model), GroupCounterSGD, bucket_cap_mb=1e-4)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (std, opt)]
+    data = _data(4, seed=1)
+    for k, batch in enumerate(data):
+        if k == 2:  # a group added mid-training starts its own count
+            std.add_param_group({"params": head(ref)})
+            opt.add_param_group({"params": head(model)})
+        _standard(ref, std, [batch])
+        _in_backward(model, opt, [batch])
+        for s in scheds:
+            s.step()
+    assert len(opt.buckets) > 1
+    assert _differs(list(ref.parameters()), list(model.parameters())) is None
+    assert [g["step"] for g in opt.param_groups] == [g["step"] for g in std.param_groups] == [4, 2]
+    assert _differs(_state_dict(std), _state_dict(opt)) is None
+    resumed = copy.deepcopy(model)
+    again = dist_optim.InBackwardOptimizer(rest(resumed), GroupCounterSGD, bucket_cap_mb=1e-4)
+    again.add_param_group({"params": head(resumed)})
+    again.load_state_dict(std.state_dict())
+    assert [g["step"] for g in again.param_groups] == [4, 2]
+
+
+def test_a_coupled_class_is_refused_by_behaviour_and_exact_in_one_bucket():
+    torch.manual_seed(0)
+    model = Model()
+    before = _params(model)
+    with pytest.raises(NotImplementedError, match=r"GlobalNormSGD cannot be stepped one bucket at a time: its "
+                                                  r"parameters differ .*bucket_cap_mb=float\('inf'\)"):
+        dist_optim.InBackwardOptimizer(model, GlobalNormSGD, lr=0.1)
+    assert _differs(before, list(model.parameters())) is None
+    ref = copy.deepcopy(model)
+    std = GlobalNormSGD(list(ref.parameters()))
+    opt = dist_optim.InBackwardOptimizer(list(model.parameters()), GlobalNormSGD, bucket_cap_mb=float("inf"))
+    data = _data(3, seed=1)
+    _standard(ref, std, data)
+    _in_backward(model, opt, data)
+    assert _differs(list(ref.parameters()), list(model.parameters())) is None
+
+
+def test_methods_of_the_class_are_forwarded_or_refused_by_name():
+    model = Model()
+    opt = dist_optim.InBackwardOptimizer(model, GlobalNormSGD, bucket_cap_mb=float("inf"))
+    with pytest.raises(AttributeError, match="GlobalNormSGD.calibrate is not available on InBackwardOptimizer"):
+        opt.calibrate()
+    assert not hasattr(opt, "train") and not hasattr(opt, "eval")  # what HF Trainer tests before calling them
+    adamw = dist_optim.InBackwardOptimizer(Model(), torch.optim.AdamW, lr=1e-3)
+    assert not hasattr(adamw, "train")
+
+
+def test_probes_leave_the_random_stream_alone():
+    torch.manual_seed(0)
+    model, other = Model(), Model()
+    state = torch.get_rng_state()
+    dist_optim.InBackwardOptimizer(model, GroupCounterSGD, lr=0.1)  # probed by behaviour
+    dist_optim.InBackwardOptimizer(other, torch.optim.Adagrad, lr=0.1)  # torch's kernel probe
+    assert torch.equal(state, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("path", ["optimi.AdamW", "schedulefree.AdamWScheduleFree", "bitsandbytes.optim.Adam8bit",
+                                  "torchao.optim.AdamW8bit"])
+def test_checkpoint_round_trip(path, tmp_path):
+    """dist_optim.checkpoint keeps what these classes keep: group tensors (torch-optimi's step), schedule-free's
+    group keys, bitsandbytes' 8-bit codes and their scales, and the run resumes exactly; torchao's quantised
+    states (tensor subclasses) are refused at save, before anything is written."""
+    from dist_optim.checkpoint import load, save
+
+    module, _, name = path.rpartition(".")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cls = getattr(pytest.importorskip(module), name)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 1))  # 4096: quantised by both packages
+    resumed = copy.deepcopy(model)
+    opt = dist_optim.InBackwardOptimizer(model, cls, lr=1e-2, bucket_cap_mb=1e-4)
+    _modes(opt, "train")
+    x = torch.randn(4, 16)
+    for _ in range(2):
+        model(x).square().mean().backward()
+    if module == "torchao.optim":  # its states are tensor subclasses, which load back as plain tensors: refused
+        with pytest.raises(NotImplementedError, match="'exp_avg' of 0.weight is a OptimState8bit"):
+            save(str(tmp_path / "ck"), model=model, optimizer=opt)
+        return
+    save(str(tmp_path / "ck"), model=model, optimizer=opt)
+    again = dist_optim.InBackwardOptimizer(resumed, cls, lr=1e-2, bucket_cap_mb=1e-4)
+    load(str(tmp_path / "ck"), model=resumed, optimizer=again)
+    _modes(again, "train")
+    assert _differs(_state_dict(opt), _state_dict(again)) is None
+    if "8bit" in name:  # the quantised path, not the 32-bit one small tensors take
+        codes = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        assert any(v.dtype == torch.uint8 or "8bit" in type(v).__name__.lower() for v in codes), opt.state
+    for m in (model, resumed):
+        m(x).square().mean().backward()
+    assert _differs(list(model.parameters()), list(resumed.parameters())) is None
