@@ -34,7 +34,7 @@ VOCAB = 256
 # name -> (n_layer, n_head, n_embd, block_size), run at batch 4: shapes where gradients, not activations, set the
 # peak (the README's --compare model is the first), so that a saving can show; quick: tiny
 SIZES = {"gpt_512x4": (4, 8, 512, 32), "gpt_768x6": (6, 12, 768, 32)}
-QUICK_SIZES = {"gpt_tiny": (2, 2, 32, 16)}
+QUICK_SIZES = {"gpt_tiny": (2, 2, 64, 8)}
 
 
 class Checkpointed(nn.Module):
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--bucket-cap-mb", type=float, default=None, help="the engine's bucket_cap_mb (default: its own)")
     p.add_argument("--sizes", default=None, help=f"comma-separated subset of {', '.join(SIZES)}")
     p.set_defaults(batch=4)
-    args = h.parse(p, argv, quick={"threads": 1, "repeats": 2, "iters": 1, "warmup": 1},
+    args = h.parse(p, argv, quick={"threads": 1, "repeats": 2, "iters": 1, "warmup": 1, "bucket_cap_mb": 0.02},
                    full={"threads": min(2, os.cpu_count() or 1), "repeats": 11, "iters": 1, "warmup": 2})
     sizes = QUICK_SIZES if args.quick else SIZES
     chosen = list(sizes) if args.sizes is None else args.sizes.split(",")
