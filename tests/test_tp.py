@@ -107,7 +107,10 @@ def _dp_rank(dp_mesh) -> int:
     """This rank's data-parallel replica: its coordinate on the (possibly 2-D, HSDP) data-parallel mesh."""
     if dp_mesh is None:
         return 0
-    return int(torch.tensor(dp_mesh.get_coordinate()) @ torch.tensor(dp_mesh.mesh.stride()))
+    index = 0
+    for coordinate, size in zip(dp_mesh.get_coordinate(), dp_mesh.shape):  # row-major over the mesh's own shape
+        index = index * size + coordinate
+    return index
 
 
 def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
