@@ -111,8 +111,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         TypeError: ``optimizer_class`` is not an optimizer class, ``optimizer_kwargs`` has an unknown option, or
             ``params`` is a set (unordered, as ``torch.optim`` refuses).
         ValueError: a tensor is not a leaf, does not require grad, is on the meta device, or is given twice; the
-            optimizer needs a closure (LBFGS); an engine option is out of range; under DDP or FSDP2, an option
-            differs across ranks (raised on every rank).
+            optimizer needs a closure (LBFGS); an engine option is out of range; under DDP, FSDP2 or tensor
+            parallel, an option differs across ranks (raised on every rank).
         RuntimeError: a multi-rank process group is initialised, some parameters are plain tensors (neither
             DDP's nor DTensors, e.g. a norm left out of a tensor-parallel plan) and ``allow_local_steps`` is not
             set; compiled autograd is on.

@@ -236,6 +236,20 @@ def _options_differ_on_one_rank(ctx) -> None:
     dist_optim.InBackwardOptimizer(a, torch.optim.AdamW, lr=0.01, fused=True).remove()  # nothing stayed attached
 
 
+def _options_per_stage_of_a_larger_mesh(ctx) -> None:
+    """The parameters' mesh is a 2-D slice of a larger one (a pipeline stage's HSDP mesh, of (pp=2, replicate=2,
+    shard=1)): the check runs within the slice, so stages with their own options are accepted (the default group
+    used to compare across stages and refuse them), and a mismatch inside a stage is still refused."""
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "replicate", "shard"))
+    stage = mesh.get_coordinate()[0]
+    model = Net()
+    fully_shard(model, mesh=mesh["replicate", "shard"])
+    dist_optim.InBackwardOptimizer(model, torch.optim.AdamW, lr=0.01 * (stage + 1), fused=True).remove()
+    replica = mesh.get_coordinate()[1]
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\.lr: "):
+        dist_optim.InBackwardOptimizer(model, torch.optim.AdamW, lr=0.01 * (replica + 1), fused=True)
+
+
 # -- checkpoints: a TP run resumes on another layout ---------------------------------------------------------------
 HALF = 2  # steps before the checkpoint, and after it
 
@@ -380,6 +394,7 @@ def _scenarios() -> list[tuple[int, str, Callable, dict]]:
          dict(sgd, ib={"track_grad_norm": True}, reference=_track_only, want_norm=True)),
         (4, "fsdp2xtp/options-differ-on-one-rank", _options_differ_on_one_rank, {}),
         (4, "hsdpxtp/sequence-parallel/AdamW-fused/clip-exact", _parity, dict(adamw, **exact)),
+        (4, "fingerprint/per-stage-of-a-pipeline-x-hsdp-mesh", _options_per_stage_of_a_larger_mesh, {}),
     ]
     return s
 
