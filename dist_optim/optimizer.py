@@ -279,6 +279,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         every = list(chain((q for g in self.param_groups for q in g["params"]), tensors))
         check_single_process(self._allow_local_steps, plain, next_to_dtensors=any(is_dtensor(t) for t in every))
         _check_norms_over_kinds(self._policy_options, every)
+        _check_value_clipping(self._policy_options, every)
         if plain and not self._allow_local_steps:
             self._recheck_world = True
         if self._accumulation_steps > 1 and any(is_dtensor(p) for p in tensors):
@@ -472,6 +473,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         options = {**self._policy_options, **changes}
         policy = GradPolicy(**options)
         _check_norms_over_kinds(options, [p for g in self.param_groups for p in g["params"]])
+        _check_value_clipping(options, [p for g in self.param_groups for p in g["params"]])
         old = self._policy
         policy.previous_norm, policy.stats = old.previous_norm, old.stats
         self._policy_options = options
@@ -671,6 +673,25 @@ class _EngineOwner:
                 opt.step()
             finally:
                 opt._finishing = False
+
+
+def _check_value_clipping(options: dict[str, Any], params: list[torch.Tensor]) -> None:
+    """``max_grad_value`` clamps each gradient in place, which DTensor refuses on a ``Partial`` gradient (a
+    SequenceParallel norm's, under tensor parallel without FSDP2), as ``clip_grad_value_`` fails on it in the standard
+    loop: refused before anything steps, for every replicated DTensor parameter (whose gradient may be Partial; only
+    the backward would tell)."""
+    if options["max_grad_value"] is None:
+        return
+    replicated = [p for p in params if is_dtensor(p) and all(pl.is_replicate() for pl in p.placements)
+                  and p.device_mesh.size() > 1]
+    if replicated:
+        raise NotImplementedError(
+            f"max_grad_value with {len(replicated)} replicated DTensor parameters (tensor parallel without FSDP2): "
+            "a SequenceParallel norm's gradient is Partial, which DTensor cannot clamp in place "
+            "(torch.nn.utils.clip_grad_value_ fails on it too), and which ones are is known only in the middle of a "
+            "backward. Use max_grad_norm, or shard with fully_shard on top of tensor parallel (FSDP2 reduces those "
+            "gradients before the step)"
+        )
 
 
 def _check_norms_over_kinds(options: dict[str, Any], params: list[torch.Tensor]) -> None:

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch buil
 
 if dist.is_available():
     from dist_runner import run_fresh
-    from test_fsdp2 import _assert_same, _clip_exact, _clip_per_parameter, _track_only
+    from test_fsdp2 import _assert_same, _clip_exact, _clip_per_parameter, _clip_value, _track_only
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -219,6 +219,21 @@ def _refuse_norms_over_plain_and_dtensors(ctx) -> None:
     opt.remove()
 
 
+def _refuse_value_clipping(ctx) -> None:
+    """Value clipping on a Partial gradient fails in DTensor's in-place clamp, in the standard loop's
+    clip_grad_value_ too: refused at construction, where nothing has stepped."""
+    a, b, _ = _twins(ctx["tp"], sequence_parallel=True)
+    b(_data(ctx["tp"], 0, True)[0]).square().mean().backward()
+    with pytest.raises(RuntimeError, match=r"in-place operations that require placement changes"):
+        nn.utils.clip_grad_value_(b.parameters(), 0.01)
+    with pytest.raises(NotImplementedError, match=r"max_grad_value with 8 replicated DTensor.*tensor parallel"):
+        dist_optim.InBackwardOptimizer(a, torch.optim.AdamW, max_grad_value=0.01, **ADAMW)
+    opt = dist_optim.InBackwardOptimizer(a, torch.optim.AdamW, **ADAMW)
+    with pytest.raises(NotImplementedError, match=r"max_grad_value"):
+        opt.configure_clipping(max_grad_value=0.01)
+    opt.remove()
+
+
 # -- the options fingerprint on a 2-D mesh ------------------------------------------------------------------------
 def _options_differ_on_one_rank(ctx) -> None:
     """On (dp=2, tp=2), rank 3 alone with another lr: every rank raises, the ranks whose groups hold rank 3 name the
@@ -378,6 +393,9 @@ def _scenarios() -> list[tuple[int, str, Callable, dict]]:
         (2, "tp/sequence-parallel/SGD-momentum-foreach/clip-exact", _parity, dict(sgd, **exact)),
         (2, "tp/sequence-parallel/AdamW-fused/clip-per_parameter", _parity,
          dict(adamw, ib={"max_grad_norm": 0.05, "clip_mode": "per_parameter"}, reference=_clip_per_parameter)),
+        (2, "tp/sequence-parallel/clip-value-refused", _refuse_value_clipping, {}),
+        (4, "fsdp2xtp/sequence-parallel/AdamW-fused/clip-value", _parity,
+         dict(adamw, ib={"max_grad_value": 0.01}, reference=_clip_value)),
         (2, "tp/sequence-parallel/AdamW-fused/track_grad_norm", _parity,
          dict(adamw, ib={"track_grad_norm": True}, reference=_track_only, want_norm=True)),
         (2, "tp/plain-norms-allow_local_steps/AdamW-fused", _parity,
