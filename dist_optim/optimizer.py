@@ -123,8 +123,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         TypeError: ``optimizer_class`` is not an optimizer class, ``optimizer_kwargs`` has an unknown option, or
             ``params`` is a set (unordered, as ``torch.optim`` refuses).
         ValueError: a tensor is not a leaf, does not require grad, is on the meta device, or is given twice; the
-            optimizer needs a closure (LBFGS); an engine option is out of range; under DDP or FSDP2, an option
-            differs across ranks (raised on every rank).
+            optimizer needs a closure (LBFGS); an engine option is out of range; under DDP, FSDP2 or tensor
+            parallel, an option differs across ranks (raised on every rank).
         RuntimeError: a multi-rank process group is initialised, some parameters are plain tensors (neither
             DDP's nor DTensors, e.g. a norm left out of a tensor-parallel plan) and ``allow_local_steps`` is not
             set; compiled autograd is on.
@@ -334,6 +334,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         every = list(chain((q for g in self.param_groups for q in g["params"]), tensors))
         check_single_process(self._allow_local_steps, plain, next_to_dtensors=any(is_dtensor(t) for t in every))
         _check_norms_over_kinds(self._policy_options, every)
+        _check_value_clipping(self._policy_options, every)
         if plain and not self._allow_local_steps:
             self._recheck_world = True
         if self._accumulation_steps > 1 and any(is_dtensor(p) for p in tensors):
@@ -646,6 +647,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         options = {**self._policy_options, **changes}
         policy = GradPolicy(**options)
         _check_norms_over_kinds(options, [p for g in self.param_groups for p in g["params"]])
+        _check_value_clipping(options, [p for g in self.param_groups for p in g["params"]])
         if grad_norm_order is not _UNCHANGED:
             self._norm_order = self._norm_order_of(grad_norm_order)
         old = self._policy
@@ -896,6 +898,25 @@ class _EngineOwner:
                 opt.step()
             finally:
                 opt._finishing = False
+
+
+def _check_value_clipping(options: dict[str, Any], params: list[torch.Tensor]) -> None:
+    """``max_grad_value`` clamps each gradient in place, which DTensor refuses on a ``Partial`` gradient (a
+    SequenceParallel norm's, under tensor parallel without FSDP2), as ``clip_grad_value_`` fails on it in the standard
+    loop: refused before anything steps, for every replicated DTensor parameter (whose gradient may be Partial; only
+    the backward would tell)."""
+    if options["max_grad_value"] is None:
+        return
+    replicated = [p for p in params if is_dtensor(p) and all(pl.is_replicate() for pl in p.placements)
+                  and p.device_mesh.size() > 1]
+    if replicated:
+        raise NotImplementedError(
+            f"max_grad_value with {len(replicated)} replicated DTensor parameters (tensor parallel without FSDP2): "
+            "a SequenceParallel norm's gradient is Partial, which DTensor cannot clamp in place "
+            "(torch.nn.utils.clip_grad_value_ fails on it too), and which ones are is known only in the middle of a "
+            "backward. Use max_grad_norm, or shard with fully_shard on top of tensor parallel (FSDP2 reduces those "
+            "gradients before the step)"
+        )
 
 
 def _check_norms_over_kinds(options: dict[str, Any], params: list[torch.Tensor]) -> None:

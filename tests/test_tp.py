@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch buil
 
 if dist.is_available():
     from dist_runner import run_fresh
-    from test_fsdp2 import _assert_same, _clip_exact, _clip_per_parameter, _track_only
+    from test_fsdp2 import _assert_same, _clip_exact, _clip_per_parameter, _clip_value, _track_only
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -107,7 +107,10 @@ def _dp_rank(dp_mesh) -> int:
     """This rank's data-parallel replica: its coordinate on the (possibly 2-D, HSDP) data-parallel mesh."""
     if dp_mesh is None:
         return 0
-    return int(torch.tensor(dp_mesh.get_coordinate()) @ torch.tensor(dp_mesh.mesh.stride()))
+    index = 0
+    for coordinate, size in zip(dp_mesh.get_coordinate(), dp_mesh.shape):  # row-major over the mesh's own shape
+        index = index * size + coordinate
+    return index
 
 
 def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -216,6 +219,21 @@ def _refuse_norms_over_plain_and_dtensors(ctx) -> None:
     opt.remove()
 
 
+def _refuse_value_clipping(ctx) -> None:
+    """Value clipping on a Partial gradient fails in DTensor's in-place clamp, in the standard loop's
+    clip_grad_value_ too: refused at construction, where nothing has stepped."""
+    a, b, _ = _twins(ctx["tp"], sequence_parallel=True)
+    b(_data(ctx["tp"], 0, True)[0]).square().mean().backward()
+    with pytest.raises(RuntimeError, match=r"in-place operations that require placement changes"):
+        nn.utils.clip_grad_value_(b.parameters(), 0.01)
+    with pytest.raises(NotImplementedError, match=r"max_grad_value with 8 replicated DTensor.*tensor parallel"):
+        dist_optim.InBackwardOptimizer(a, torch.optim.AdamW, max_grad_value=0.01, **ADAMW)
+    opt = dist_optim.InBackwardOptimizer(a, torch.optim.AdamW, **ADAMW)
+    with pytest.raises(NotImplementedError, match=r"max_grad_value"):
+        opt.configure_clipping(max_grad_value=0.01)
+    opt.remove()
+
+
 # -- the options fingerprint on a 2-D mesh ------------------------------------------------------------------------
 def _options_differ_on_one_rank(ctx) -> None:
     """On (dp=2, tp=2), rank 3 alone with another lr: every rank raises, the ranks whose groups hold rank 3 name the
@@ -231,6 +249,20 @@ def _options_differ_on_one_rank(ctx) -> None:
         peer = {1: 1, 2: 2, 3: 1}[ctx["rank"]]  # rank 3 names its dp group's first mismatch: ranks 1 and 3
         assert f"param_groups[0].lr: 0.01 on ranks [{peer}]; 0.02 on ranks [3]" in message, message
     dist_optim.InBackwardOptimizer(a, torch.optim.AdamW, lr=0.01, fused=True).remove()  # nothing stayed attached
+
+
+def _options_per_stage_of_a_larger_mesh(ctx) -> None:
+    """The parameters' mesh is a 2-D slice of a larger one (a pipeline stage's HSDP mesh, of (pp=2, replicate=2,
+    shard=1)): the check runs within the slice, so stages with their own options are accepted (the default group
+    used to compare across stages and refuse them), and a mismatch inside a stage is still refused."""
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "replicate", "shard"))
+    stage = mesh.get_coordinate()[0]
+    model = Net()
+    fully_shard(model, mesh=mesh["replicate", "shard"])
+    dist_optim.InBackwardOptimizer(model, torch.optim.AdamW, lr=0.01 * (stage + 1), fused=True).remove()
+    replica = mesh.get_coordinate()[1]
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\.lr: "):
+        dist_optim.InBackwardOptimizer(model, torch.optim.AdamW, lr=0.01 * (replica + 1), fused=True)
 
 
 # -- checkpoints: a TP run resumes on another layout ---------------------------------------------------------------
@@ -361,6 +393,9 @@ def _scenarios() -> list[tuple[int, str, Callable, dict]]:
         (2, "tp/sequence-parallel/SGD-momentum-foreach/clip-exact", _parity, dict(sgd, **exact)),
         (2, "tp/sequence-parallel/AdamW-fused/clip-per_parameter", _parity,
          dict(adamw, ib={"max_grad_norm": 0.05, "clip_mode": "per_parameter"}, reference=_clip_per_parameter)),
+        (2, "tp/sequence-parallel/clip-value-refused", _refuse_value_clipping, {}),
+        (4, "fsdp2xtp/sequence-parallel/AdamW-fused/clip-value", _parity,
+         dict(adamw, ib={"max_grad_value": 0.01}, reference=_clip_value)),
         (2, "tp/sequence-parallel/AdamW-fused/track_grad_norm", _parity,
          dict(adamw, ib={"track_grad_norm": True}, reference=_track_only, want_norm=True)),
         (2, "tp/plain-norms-allow_local_steps/AdamW-fused", _parity,
@@ -377,6 +412,7 @@ def _scenarios() -> list[tuple[int, str, Callable, dict]]:
          dict(sgd, ib={"track_grad_norm": True}, reference=_track_only, want_norm=True)),
         (4, "fsdp2xtp/options-differ-on-one-rank", _options_differ_on_one_rank, {}),
         (4, "hsdpxtp/sequence-parallel/AdamW-fused/clip-exact", _parity, dict(adamw, **exact)),
+        (4, "fingerprint/per-stage-of-a-pipeline-x-hsdp-mesh", _options_per_stage_of_a_larger_mesh, {}),
     ]
     return s
 
