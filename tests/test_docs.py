@@ -22,7 +22,8 @@ def test_doc_page_examples_run(page):
     assert result.failed == 0
 
 
-@pytest.mark.parametrize("module", ["dist_optim.optimizer", "dist_optim._seed_pair", "dist_optim.averaging", "dist_optim._factory"])
+@pytest.mark.parametrize("module", ["dist_optim.optimizer", "dist_optim._seed_pair", "dist_optim.averaging", "dist_optim._factory",
+                                    "dist_optim._plan"])
 def test_docstring_examples_run(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=FLAGS)
     assert result.attempted > 0 and result.failed == 0
