@@ -59,6 +59,7 @@ class MemoryTrace(TorchDispatchMode):
         self._peak_pending = False  # the peak rose and its blocks are not yet recorded
         self.timeline: list[tuple[int, str, int]] = [(0, "seed", 0)]
         self.events = 0
+        self.finished = False
 
     # -- counting ----------------------------------------------------------------------------------------------
     def seed(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -96,6 +97,8 @@ class MemoryTrace(TorchDispatchMode):
             self.peak, self.peak_phase, self._peak_pending = self.total, self.phase, True
 
     def _freed(self, key: int) -> None:
+        if self.finished:  # the region is over: what dies later (the model, when dropped) is not its memory
+            return
         self._settle_peak()
         block = self._live.pop(key)
         if block.nbytes:
@@ -114,7 +117,9 @@ class MemoryTrace(TorchDispatchMode):
         return None if st is None else self._blocks.get(st)
 
     def finish(self) -> None:
+        """End the region: the peak is settled, and frees from now on are not counted."""
         self._settle_peak()
+        self.finished = True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))

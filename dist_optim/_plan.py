@@ -344,7 +344,7 @@ def _class(path: str) -> Any:
     return obj
 
 
-def _hf_model(config_path: str, dtype: torch.dtype) -> tuple[Callable[[], nn.Module], int]:
+def _hf_model(config_path: str, dtype: torch.dtype, checkpointing: bool) -> tuple[Callable[[], nn.Module], int]:
     """A builder of a Hugging Face causal LM from its ``config.json`` (no weights read), and its vocabulary."""
     try:
         import transformers
@@ -354,7 +354,10 @@ def _hf_model(config_path: str, dtype: torch.dtype) -> tuple[Callable[[], nn.Mod
     config.use_cache = False
 
     def build() -> nn.Module:
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        if checkpointing:  # non-reentrant, as the engine needs
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
     return build, config.vocab_size
 
 
@@ -381,6 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-kwargs", default="{}", metavar="JSON", help="--model's keyword arguments")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="--model: token ids drawn below this (default: --model-kwargs' vocab_size)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="--hf-config: recompute each decoder layer in backward (gradient_checkpointing_enable)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="the parameters' dtype (the optimizer state follows it)")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch")
@@ -401,9 +406,11 @@ def main(argv: Sequence[str] | None = None) -> MemoryPlan:
     args = build_parser().parse_args(argv)
     dtype = getattr(torch, args.dtype)
     if args.hf_config:
-        model_fn, vocab = _hf_model(args.hf_config, dtype)
+        model_fn, vocab = _hf_model(args.hf_config, dtype, args.activation_checkpointing)
         loss_fn: Callable[[nn.Module, Any], torch.Tensor] = _hf_loss
     else:
+        if args.activation_checkpointing:
+            raise SystemExit("--activation-checkpointing: only with --hf-config (a --model checkpoints itself)")
         kwargs = json.loads(args.model_kwargs)
         builder = _class(args.model)
         vocab = args.vocab_size or kwargs.get("vocab_size")
@@ -428,6 +435,7 @@ def main(argv: Sequence[str] | None = None) -> MemoryPlan:
                   per_parameter=args.per_parameter, accumulation_steps=args.accumulation_steps,
                   max_grad_norm=args.max_grad_norm, clip_mode=args.clip_mode, lr=args.lr)
     result.options.update(batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
+                          activation_checkpointing=args.activation_checkpointing,
                           model=args.hf_config or args.model)
     if args.plot:
         result.plot(args.plot)
