@@ -40,14 +40,16 @@ CONFIGS = [
 OPTIMIZER_KWARGS = {"lr": h.LR, "weight_decay": h.WEIGHT_DECAY}
 
 
-def _builders(shape: tuple[int, int, int, int, int]) -> tuple[Any, Any, Any]:
+def _builders(shape: tuple[int, int, int, int, int], device: str = "cpu") -> tuple[Any, Any, Any]:
     n_layer, n_head, n_embd, block, batch = shape
 
     def model_fn() -> GPT:
-        return GPT(VOCAB, block, n_layer, n_head, n_embd, tie_weights=False)
+        with torch.device(device):  # built there: fake parameters cannot be moved by .to()
+            return GPT(VOCAB, block, n_layer, n_head, n_embd, tie_weights=False)
 
     def batch_fn() -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.randint(0, VOCAB, (batch, block)), torch.randint(0, VOCAB, (batch, block))
+        return (torch.randint(0, VOCAB, (batch, block), device=device),
+                torch.randint(0, VOCAB, (batch, block), device=device))
 
     def loss(model: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return loss_fn(model(b[0]), b[1])
@@ -59,9 +61,11 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-def measured(shape: tuple[int, int, int, int, int], engine: dict[str, Any]) -> dict[str, dict[str, int]]:
-    """Each loop's warm step run for real: the resident bytes at its start and its allocator peak above them."""
-    model_fn, batch_fn, loss = _builders(shape)
+def measured(shape: tuple[int, int, int, int, int], engine: dict[str, Any], device: str = "cpu"
+             ) -> dict[str, dict[str, int]]:
+    """Each loop's warm step run for real: the resident bytes at its start and its allocator peak above them
+    (CPU: the profiler's memory events; CUDA: ``max_memory_allocated``)."""
+    model_fn, batch_fn, loss = _builders(shape, device)
     micro = engine.get("accumulation_steps", 1)
     out = {}
     for loop in LOOPS:
@@ -70,16 +74,16 @@ def measured(shape: tuple[int, int, int, int, int], engine: dict[str, Any]) -> d
         job.step([batch_fn() for _ in range(micro)])
         batches = [batch_fn() for _ in range(micro)]
         start = _storage_bytes(job.resident() + [t for b in batches for t in b])
-        step = h.allocator_peak(lambda: job.step(batches))["peak_bytes"]
+        step = h.allocator_peak(lambda: job.step(batches), device)["peak_bytes"]
         out[loop] = {"start_bytes": start, "step_peak_bytes": step, "peak_bytes": start + step}
     return out
 
 
-def compare(shape: tuple[int, int, int, int, int], engine: dict[str, Any]) -> dict[str, Any]:
+def compare(shape: tuple[int, int, int, int, int], engine: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
     """Planned against measured for one configuration; ``error`` is (planned - measured) / measured."""
-    model_fn, batch_fn, loss = _builders(shape)
+    model_fn, batch_fn, loss = _builders(shape, device)
     p = plan(model_fn, batch_fn, loss, torch.optim.AdamW, **engine, **OPTIMIZER_KWARGS)
-    m = measured(shape, engine)
+    m = measured(shape, engine, device)
     res: dict[str, Any] = {"engine": {k: v if v != math.inf else "inf" for k, v in engine.items()}}
     for lp in p.loops():
         got = m[lp.loop]
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{'step planned':>12} {'measured':>9}   saving planned / measured MiB")
     for name, shape in shapes.items():
         for label, engine in configs:
-            r = rows[f"{name}/{label}"] = compare(shape, engine)
+            r = rows[f"{name}/{label}"] = compare(shape, engine, args.device)
             s = r["saving"]
             for loop in LOOPS:
                 x = r[loop]

@@ -18,6 +18,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__: list[str] = []
 
+_CUDA_BLOCK = 512  # bytes: the CUDA caching allocator rounds every request up to a multiple of this
+
 
 class _Block:
     """One storage's bytes and when it was made (``phase``), kept after the storage is gone."""
@@ -74,6 +76,8 @@ class MemoryTrace(TorchDispatchMode):
         if st is None:
             return
         nbytes = st.nbytes()
+        if t.device.type == "cuda":  # the caching allocator's smallest block and rounding (as torch's MemTracker)
+            nbytes = -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK
         block = self._blocks.get(st)
         if block is not None:
             if block.nbytes != nbytes:  # resized in place (an out= operator, resize_)
