@@ -150,6 +150,7 @@ class Job:
         self.max_grad_norm = engine_options.get("max_grad_norm")
         self.clip_mode = engine_options.get("clip_mode", "exact")
         self.accumulation_steps = engine_options.get("accumulation_steps", 1)
+        self.track_grad_norm = engine_options.get("track_grad_norm", False)
         if before_optimizer is not None:
             before_optimizer(model)
         if loop == "in_backward":
@@ -188,19 +189,19 @@ class Job:
 
     def _clip(self) -> None:
         """The standard loop's counterpart of each clip mode (as launch/train_loop.py clips)."""
-        c = self.max_grad_norm
-        if c is None:
-            return
+        c, mode = self.max_grad_norm, self.clip_mode
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.clip_mode == "per_parameter":
-            for p in params:
-                nn.utils.clip_grad_norm_([p], c)
-            return
-        norm = nn.utils.get_total_norm([p.grad for p in params])
-        if self.clip_mode in ("exact", "two_pass"):
-            nn.utils.clip_grads_with_norm_(params, c, norm)
-        elif self._previous_norm is not None:
-            nn.utils.clip_grads_with_norm_(params, c, self._previous_norm)
+        norm = None
+        if self.track_grad_norm or (c is not None and mode != "per_parameter"):
+            norm = nn.utils.get_total_norm([p.grad for p in params])
+        if c is not None:
+            if mode in ("exact", "two_pass"):
+                nn.utils.clip_grads_with_norm_(params, c, norm)
+            elif mode == "per_parameter":
+                for p in params:
+                    nn.utils.clip_grad_norm_([p], c)
+            elif self._previous_norm is not None:
+                nn.utils.clip_grads_with_norm_(params, c, self._previous_norm)
         self._previous_norm = norm
 
     def resident(self) -> list[torch.Tensor]:
@@ -355,8 +356,12 @@ def _hf_model(config_path: str, dtype: torch.dtype, checkpointing: bool) -> tupl
 
     def build() -> nn.Module:
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-        if checkpointing:  # non-reentrant, as the engine needs
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if checkpointing:  # non-reentrant, as the engine needs (transformers 5 renamed the method)
+            kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return model
     return build, config.vocab_size
 
@@ -391,12 +396,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--optimizer", default="torch.optim.AdamW", help="the optimizer class, by name")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--bucket-cap-mb", type=float, default=4.0)
-    p.add_argument("--per-parameter", action="store_true")
-    p.add_argument("--accumulation-steps", type=int, default=1)
-    p.add_argument("--max-grad-norm", type=float, default=None)
-    p.add_argument("--clip-mode", choices=CLIP_MODES, default="exact")
+    p.add_argument("--lr", type=float, default=1e-3, help="the optimizer's lr (no effect on memory)")
+    p.add_argument("--bucket-cap-mb", type=float, default=4.0, help="the engine's bucket cap, MiB of gradients")
+    p.add_argument("--per-parameter", action="store_true", help="step each parameter on its own in backward")
+    p.add_argument("--accumulation-steps", type=int, default=1, help="micro-batches per step, each --batch-size")
+    p.add_argument("--max-grad-norm", type=float, default=None, help="clip to this global norm (both loops)")
+    p.add_argument("--clip-mode", choices=CLIP_MODES, default="exact", help="how --max-grad-norm clips in backward")
+    p.add_argument("--track-grad-norm", action="store_true", help="measure the global norm every step")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of both loops' memory timelines (needs matplotlib)")
     return p
@@ -433,7 +439,8 @@ def main(argv: Sequence[str] | None = None) -> MemoryPlan:
 
     result = plan(model_fn, batch_fn, loss_fn, _class(args.optimizer), bucket_cap_mb=args.bucket_cap_mb,
                   per_parameter=args.per_parameter, accumulation_steps=args.accumulation_steps,
-                  max_grad_norm=args.max_grad_norm, clip_mode=args.clip_mode, lr=args.lr)
+                  max_grad_norm=args.max_grad_norm, clip_mode=args.clip_mode,
+                  track_grad_norm=args.track_grad_norm, lr=args.lr)
     result.options.update(batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
                           activation_checkpointing=args.activation_checkpointing,
                           model=args.hf_config or args.model)

@@ -45,7 +45,8 @@ def _assert_agrees(res: dict) -> None:
     {"max_grad_norm": 0.05, "clip_mode": "per_parameter"},
     {"max_grad_norm": 0.05, "clip_mode": "previous_norm"},
     {"accumulation_steps": 2},
-], ids=["no_clip", "exact", "two_pass", "per_parameter", "previous_norm", "accumulation"])
+    {"track_grad_norm": True},
+], ids=["no_clip", "exact", "two_pass", "per_parameter", "previous_norm", "accumulation", "track_grad_norm"])
 def test_planned_peaks_agree_with_measured_ones_for_each_clip_mode(engine):
     # a cap of a few tensors: buckets are stepped and freed during backward, so both loops differ
     _assert_agrees(bench_plan.compare(TINY, {"bucket_cap_mb": 0.05, **engine}))
