@@ -18,6 +18,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__: list[str] = []
 
+# The torch privates the planner needs, each with what it is for (tests/test_plan.py fails by name if one moves):
+TORCH_PRIVATES = {
+    "torch._subclasses.fake_tensor.FakeTensorMode": "tensors with shapes and no data (public: none yet)",
+    "torch._subclasses.fake_tensor.is_fake": "the engine skips a value comparison on fake tensors",
+    "torch.utils._python_dispatch.TorchDispatchMode": "every operator's outputs, as they are made",
+    "torch.utils._pytree.tree_iter": "the tensors among an operator's outputs",
+}
 _CUDA_BLOCK = 512  # bytes: the CUDA caching allocator rounds every request up to a multiple of this
 
 
