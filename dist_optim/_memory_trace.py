@@ -24,18 +24,20 @@ TORCH_PRIVATES = {
     "torch._subclasses.fake_tensor.is_fake": "the engine skips a value comparison on fake tensors",
     "torch.utils._python_dispatch.TorchDispatchMode": "every operator's outputs, as they are made",
     "torch.utils._pytree.tree_iter": "the tensors among an operator's outputs",
+    "torch.utils._pytree.tree_leaves": "the tensors of a batch",
 }
 _CUDA_BLOCK = 512  # bytes: the CUDA caching allocator rounds every request up to a multiple of this
 
 
 class _Block:
-    """One storage's bytes and when it was made (``phase``), kept after the storage is gone."""
+    """One storage's bytes, when it was made (``phase``) and whether it was ever a ``.grad``."""
 
-    __slots__ = ("nbytes", "phase", "__weakref__")
+    __slots__ = ("nbytes", "phase", "is_grad", "__weakref__")
 
     def __init__(self, nbytes: int, phase: str) -> None:
         self.nbytes = nbytes
         self.phase = phase
+        self.is_grad = False
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:

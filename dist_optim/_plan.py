@@ -221,6 +221,8 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
                 optimizer_kwargs: dict[str, Any], engine_options: dict[str, Any]) -> tuple[LoopPlan, int]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from torch.utils._pytree import tree_leaves
+
     from dist_optim._memory_trace import MemoryTrace
 
     micro = engine_options.get("accumulation_steps", 1)
@@ -230,7 +232,6 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         model = model_fn()
         n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        grads: set[int] = set()  # ids of the blocks that were ever a .grad
         trace = MemoryTrace()
 
         def watch_grads(m: nn.Module) -> None:
@@ -238,7 +239,7 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
             def seen(p: torch.Tensor) -> None:
                 block = trace.block_of(p.grad)
                 if block is not None:
-                    grads.add(id(block))
+                    block.is_grad = True
             for p in m.parameters():
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(seen)
@@ -251,20 +252,20 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
             trace.phase = name
         job.phase = phase
         with trace:
-            trace.seed(job.resident() + [t for t in torch.utils._pytree.tree_leaves(batches)
-                                         if isinstance(t, torch.Tensor)])
+            trace.seed(job.resident() + [t for t in tree_leaves(batches) if isinstance(t, torch.Tensor)])
             start = trace.total
             trace.phase = "forward"
             job.step(batches)
             trace.finish()
-        params = {id(trace.block_of(t)) for t in [*model.parameters(), *model.buffers()]}
+        # ids of blocks alive now (and so unique): the parameters' and the optimizer state's
+        params = {id(trace.block_of(t)) for t in [*model.parameters(), *model.buffers()]} - {id(None)}
         state = {id(trace.block_of(v)) for s in job.opt.state.values() for v in s.values()
-                 if isinstance(v, torch.Tensor)}
+                 if isinstance(v, torch.Tensor)} - {id(None)}
         breakdown = dict.fromkeys(CATEGORIES, 0)
         for block in trace.peak_blocks:
             key = id(block)
             category = ("parameters" if key in params else "optimizer_state" if key in state else
-                        "gradients" if key in grads else "activations" if block.phase == "forward" else "other")
+                        "gradients" if block.is_grad else "activations" if block.phase == "forward" else "other")
             breakdown[category] += block.nbytes
         assert sum(breakdown.values()) == trace.peak, (breakdown, trace.peak)
         return LoopPlan(loop, trace.peak, start, breakdown, trace.peak_phase, job.kernel, trace.timeline), n_params
