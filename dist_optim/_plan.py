@@ -10,11 +10,9 @@ One process only so far. ``dist_optim/plan.py`` is the command line's entry poin
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import inspect
 import json
-import math
 import sys
 import warnings
 from collections.abc import Callable, Sequence
