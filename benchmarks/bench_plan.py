@@ -61,8 +61,8 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-def measured(shape: tuple[int, int, int, int, int], engine: dict[str, Any], device: str = "cpu"
-             ) -> dict[str, dict[str, int]]:
+def measured(shape: tuple[int, int, int, int, int], engine: dict[str, Any], device: str = "cpu",
+             autocast_dtype: torch.dtype | None = None) -> dict[str, dict[str, int]]:
     """Each loop's warm step run for real: the resident bytes at its start and its allocator peak above them
     (CPU: the profiler's memory events; CUDA: ``max_memory_allocated``)."""
     model_fn, batch_fn, loss = _builders(shape, device)
@@ -71,6 +71,7 @@ def measured(shape: tuple[int, int, int, int, int], engine: dict[str, Any], devi
     for loop in LOOPS:
         torch.manual_seed(0)
         job = Job(model_fn(), loop, loss, torch.optim.AdamW, OPTIMIZER_KWARGS, engine)
+        job.autocast = autocast_dtype
         job.step([batch_fn() for _ in range(micro)])
         batches = [batch_fn() for _ in range(micro)]
         start = _storage_bytes(job.resident() + [t for b in batches for t in b])
@@ -79,11 +80,12 @@ def measured(shape: tuple[int, int, int, int, int], engine: dict[str, Any], devi
     return out
 
 
-def compare(shape: tuple[int, int, int, int, int], engine: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
+def compare(shape: tuple[int, int, int, int, int], engine: dict[str, Any], device: str = "cpu",
+            autocast_dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Planned against measured for one configuration; ``error`` is (planned - measured) / measured."""
     model_fn, batch_fn, loss = _builders(shape, device)
-    p = plan(model_fn, batch_fn, loss, torch.optim.AdamW, **engine, **OPTIMIZER_KWARGS)
-    m = measured(shape, engine, device)
+    p = plan(model_fn, batch_fn, loss, torch.optim.AdamW, **engine, autocast_dtype=autocast_dtype, **OPTIMIZER_KWARGS)
+    m = measured(shape, engine, device, autocast_dtype)
     res: dict[str, Any] = {"engine": {k: v if v != math.inf else "inf" for k, v in engine.items()}}
     for lp in p.loops():
         got = m[lp.loop]

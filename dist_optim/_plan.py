@@ -149,6 +149,7 @@ class Job:
         self.clip_mode = engine_options.get("clip_mode", "exact")
         self.accumulation_steps = engine_options.get("accumulation_steps", 1)
         self.track_grad_norm = engine_options.get("track_grad_norm", False)
+        self.autocast: torch.dtype | None = None  # the forward's autocast dtype, if any
         if before_optimizer is not None:
             before_optimizer(model)
         if loop == "in_backward":
@@ -172,7 +173,12 @@ class Job:
         """One optimizer step over ``batches`` (its micro-batches, ``accumulation_steps`` of them)."""
         for batch in batches:
             self.phase("forward")
-            loss = self.loss_fn(self.model, batch) / len(batches)
+            if self.autocast is None:
+                loss = self.loss_fn(self.model, batch) / len(batches)
+            else:
+                device = next(self.model.parameters()).device.type
+                with torch.autocast(device, dtype=self.autocast):
+                    loss = self.loss_fn(self.model, batch) / len(batches)
             self.phase("backward")
             if self.loop == "in_backward":
                 self.opt.backward(loss)
@@ -216,7 +222,8 @@ class Job:
 # -- planning -------------------------------------------------------------------------------------------------------
 def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any],
                 loss_fn: Callable[[nn.Module, Any], torch.Tensor], optimizer_class: type[torch.optim.Optimizer],
-                optimizer_kwargs: dict[str, Any], engine_options: dict[str, Any]) -> tuple[LoopPlan, int]:
+                optimizer_kwargs: dict[str, Any], engine_options: dict[str, Any],
+                autocast_dtype: torch.dtype | None) -> tuple[LoopPlan, int]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from torch.utils._pytree import tree_leaves
@@ -243,6 +250,7 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
                     p.register_post_accumulate_grad_hook(seen)
 
         job = Job(model, loop, loss_fn, optimizer_class, optimizer_kwargs, engine_options, watch_grads)
+        job.autocast = autocast_dtype
         job.step([batch_fn() for _ in range(micro)])  # the first step creates the optimizer state
         batches = [batch_fn() for _ in range(micro)]
 
@@ -281,6 +289,7 @@ def plan(
     max_grad_norm: float | None = None,
     clip_mode: str = "exact",
     track_grad_norm: bool = False,
+    autocast_dtype: torch.dtype | None = None,
     **optimizer_kwargs: Any,
 ) -> MemoryPlan:
     """Plan one warm training step's memory on this process, for the standard loop and in backward, without
@@ -301,6 +310,8 @@ def plan(
         optimizer_class: a ``torch.optim.Optimizer`` subclass.
         bucket_cap_mb, per_parameter, accumulation_steps, max_grad_norm, clip_mode, track_grad_norm: the
             engine's options (see ``InBackwardOptimizer``); the standard loop clips as ``clip_mode`` says.
+        autocast_dtype: run the forward and the loss under ``torch.autocast`` with this dtype (mixed precision:
+            the parameters, gradients and state keep theirs).
         **optimizer_kwargs: ``optimizer_class``'s options (``lr``, ...).
 
     Returns:
@@ -326,8 +337,9 @@ def plan(
     plans = {}
     for loop in LOOPS:
         plans[loop], n_params = _trace_loop(loop, model_fn, batch_fn, loss_fn, optimizer_class, optimizer_kwargs,
-                                            engine)
-    options = {**engine, "optimizer_class": f"{optimizer_class.__module__}.{optimizer_class.__qualname__}",
+                                            engine, autocast_dtype)
+    options = {**engine, "autocast_dtype": None if autocast_dtype is None else str(autocast_dtype).split(".")[-1],
+               "optimizer_class": f"{optimizer_class.__module__}.{optimizer_class.__qualname__}",
                "optimizer_kwargs": {k: v for k, v in optimizer_kwargs.items() if isinstance(v, (int, float, str))}}
     return MemoryPlan(plans["standard"], plans["in_backward"], n_params, options)
 
@@ -392,6 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--hf-config: recompute each decoder layer in backward (gradient_checkpointing_enable)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="the parameters' dtype (the optimizer state follows it)")
+    p.add_argument("--autocast", choices=("bfloat16", "float16"), default=None,
+                   help="the forward under torch.autocast with this dtype (mixed precision)")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--optimizer", default="torch.optim.AdamW", help="the optimizer class, by name")
@@ -439,7 +453,8 @@ def main(argv: Sequence[str] | None = None) -> MemoryPlan:
     result = plan(model_fn, batch_fn, loss_fn, _class(args.optimizer), bucket_cap_mb=args.bucket_cap_mb,
                   per_parameter=args.per_parameter, accumulation_steps=args.accumulation_steps,
                   max_grad_norm=args.max_grad_norm, clip_mode=args.clip_mode,
-                  track_grad_norm=args.track_grad_norm, lr=args.lr)
+                  track_grad_norm=args.track_grad_norm,
+                  autocast_dtype=None if args.autocast is None else getattr(torch, args.autocast), lr=args.lr)
     result.options.update(batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
                           activation_checkpointing=args.activation_checkpointing,
                           model=args.hf_config or args.model)

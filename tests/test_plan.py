@@ -52,6 +52,10 @@ def test_planned_peaks_agree_with_measured_ones_for_each_clip_mode(engine):
     _assert_agrees(bench_plan.compare(TINY, {"bucket_cap_mb": 0.05, **engine}))
 
 
+def test_planned_peaks_agree_under_bfloat16_autocast():
+    _assert_agrees(bench_plan.compare(WIDER, {"bucket_cap_mb": 0.5}, autocast_dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize("cap", [0.5, math.inf])
 def test_the_planned_saving_agrees_with_the_measured_one_at_each_bucket_cap(cap):
     res = bench_plan.compare(WIDER, {"bucket_cap_mb": cap})
