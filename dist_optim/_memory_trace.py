@@ -66,7 +66,7 @@ class MemoryTrace(TorchDispatchMode):
         self.total = 0  # bytes alive now
         self.peak = 0  # the most bytes alive at once
         self.peak_phase = "seed"
-        self.peak_blocks: list[_Block] = []  # the blocks alive at the peak
+        self.peak_blocks: list[tuple[_Block, int]] = []  # the blocks alive at the peak, with their bytes then
         self._peak_pending = False  # the peak rose and its blocks are not yet recorded
         self.timeline: list[tuple[int, str, int]] = [(0, "seed", 0)]
         self.events = 0
@@ -122,7 +122,7 @@ class MemoryTrace(TorchDispatchMode):
     def _settle_peak(self) -> None:
         # the blocks at the peak are copied once, when the total first falls from it (or at the end)
         if self._peak_pending:
-            self.peak_blocks = list(self._live.values())
+            self.peak_blocks = [(b, b.nbytes) for b in self._live.values()]  # the sizes then: a resize changes them
             self._peak_pending = False
 
     def block_of(self, t: torch.Tensor) -> _Block | None:

@@ -268,11 +268,11 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
         state = {id(trace.block_of(v)) for s in job.opt.state.values() for v in s.values()
                  if isinstance(v, torch.Tensor)} - {id(None)}
         breakdown = dict.fromkeys(CATEGORIES, 0)
-        for block in trace.peak_blocks:
+        for block, nbytes in trace.peak_blocks:
             key = id(block)
             category = ("parameters" if key in params else "optimizer_state" if key in state else
                         "gradients" if block.is_grad else "activations" if block.phase == "forward" else "other")
-            breakdown[category] += block.nbytes
+            breakdown[category] += nbytes
         assert sum(breakdown.values()) == trace.peak, (breakdown, trace.peak)
         return LoopPlan(loop, trace.peak, start, breakdown, trace.peak_phase, job.kernel, trace.timeline), n_params
 
