@@ -53,6 +53,8 @@ Options that change the training loop:
   deletes the checkpoints such a run would write over.
 - SIGTERM (what a scheduler sends before it kills a job): every rank stops after the same step, saves a checkpoint
   and exits with code 0; ``--resume latest`` continues exactly.
+- ``--plan``: plan the job's memory instead of running it (one process): both loops' peaks, their split and the
+  saving, from one warm step on fake tensors (``dist_optim.plan``); RUN_DIR/plan.json and plan.png.
 - ``--compare``: train the job with both loops, step by step, and write RUN_DIR/compare/report.md, report.json and
   compare.png (loss curves, their max difference, step times, per-rank peak memory and one step's memory timeline).
 
@@ -73,6 +75,7 @@ from dist_optim.checkpoint import CheckpointError, CheckpointManager
 
 from .compare import compare
 from .corpus import Corpus
+from .memory_plan import plan_memory
 from .pipeline import PIPELINED, check_pipeline, stage_group, stage_of
 from .run_log import RunLog
 from .run_dir import plan_run, write_config
@@ -167,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     run."""
     cfg = parse_config(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if cfg.plan:  # no process group, no corpus: fake tensors of the job's shapes
+        try:
+            plan_memory(cfg)
+        except LaunchError as e:
+            _error(None, str(e))
+            return 2
+        return 0
     try:
         rt = start(cfg.device, cfg.threads)
     except LaunchError as e:

@@ -21,7 +21,7 @@ __all__ = ["MODEL_SHAPE", "PROCESS_OPTIONS", "TrainConfig", "parse_config"]
 MODEL_SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "tie_weights")
 # options of one process run, not of the training: a resume may change them without notice
 PROCESS_OPTIONS = ("stop_after", "device", "threads", "parallel", "pp_stages", "run_dir", "log_every",
-                   "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "compare", "profile_step")
+                   "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "compare", "profile_step", "plan")
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -96,6 +96,9 @@ class TrainConfig:
     compare: bool = _opt(False, "train the same job with the standard loop and in backward, interleaved step by "
                                 "step, and write RUN_DIR/compare/report.{md,json} and compare.png")
     profile_step: int = _opt(-1, "--compare: the step whose memory is profiled (-1: the last one)")
+    plan: bool = _opt(False, "plan the job's memory instead of running it: one warm step of each loop on fake "
+                             "tensors (dist_optim.plan), one process; prints the peaks and writes "
+                             "RUN_DIR/plan.json and plan.png (docs/planning.md)")
 
     def __post_init__(self) -> None:
         checks = [

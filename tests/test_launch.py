@@ -277,3 +277,29 @@ def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_and_resumes_exac
     assert _steps_on_disk(tmp_path, "run") == stopped and len(_losses(tmp_path, "run")) == stopped[0] + 1
     _train(tmp_path, "run", *opts, "--resume", "latest", nproc=2)
     assert _losses(tmp_path, "run") == _losses(tmp_path, "full")
+
+
+# -- --plan -------------------------------------------------------------------------------------------------------
+def test_plan_predicts_the_peaks_and_the_saving_compare_measures(tmp_path, capsys):
+    """--plan against --compare's own measurement of the same job (allocator peaks of one warm step): gradients
+    above the activations at this shape, so that the saving shows."""
+    job = ["--n-layer", "2", "--n-head", "4", "--n-embd", "256", "--block-size", "32", "--batch-size", "4",
+           "--corpus-mb", "0.25", "--steps", "3", "--warmup-steps", "1", "--threads", "1", "--log-every", "100",
+           "--bucket-cap-mb", "0.5"]
+    assert train.main([*job, "--run-dir", str(tmp_path / "plan"), "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "saving:" in out and "not seen:" in out and (tmp_path / "plan" / "plan.json").exists()
+    assert not (tmp_path / "plan" / "metrics.jsonl").exists()  # planned, not run
+    planned = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert train.main([*job, "--run-dir", str(tmp_path / "run"), "--compare"]) == 0
+    measured = json.loads((tmp_path / "run" / "compare" / "report.json").read_text())["peak_memory_bytes_per_rank"]
+    for loop in ("standard", "in_backward"):
+        assert abs(planned[loop]["step_peak_bytes"] / measured[loop][0] - 1) <= 0.10, (loop, planned, measured)
+    saving = measured["standard"][0] - measured["in_backward"][0]
+    assert saving > 2**20 and abs(planned["saving_bytes"] / saving - 1) <= 0.10, (planned["saving_bytes"], saving)
+
+
+def test_plan_refuses_a_wrapper_in_one_line(tmp_path, capsys):
+    assert train.main([*TINY, "--run-dir", str(tmp_path / "r"), "--plan", "--parallel", "ddp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("launch.train: error: --plan plans one process") and len(err.splitlines()) == 1

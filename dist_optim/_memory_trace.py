@@ -1,0 +1,142 @@
+"""A dispatch-level trace of the bytes that tensors' storages hold, for the memory planner (``dist_optim.plan``).
+
+Every operator's outputs are seen as they are made (``TorchDispatchMode``) and every storage's end through a weak
+reference, so the running sum is what the allocator would hold, on fake tensors as on real ones. What no operator
+returns (a kernel's own workspace, a collective's buffers) is not seen.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_iter
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__: list[str] = []
+
+# The torch privates the planner needs, each with what it is for (tests/test_plan.py fails by name if one moves):
+TORCH_PRIVATES = {
+    "torch._subclasses.fake_tensor.FakeTensorMode": "tensors with shapes and no data (public: none yet)",
+    "torch._subclasses.fake_tensor.is_fake": "the engine skips a value comparison on fake tensors",
+    "torch.utils._python_dispatch.TorchDispatchMode": "every operator's outputs, as they are made",
+    "torch.utils._pytree.tree_iter": "the tensors among an operator's outputs",
+    "torch.utils._pytree.tree_leaves": "the tensors of a batch",
+}
+_CUDA_BLOCK = 512  # bytes: the CUDA caching allocator rounds every request up to a multiple of this
+
+
+class _Block:
+    """One storage's bytes, when it was made (``phase``) and whether it was ever a ``.grad``."""
+
+    __slots__ = ("nbytes", "phase", "is_grad", "__weakref__")
+
+    def __init__(self, nbytes: int, phase: str) -> None:
+        self.nbytes = nbytes
+        self.phase = phase
+        self.is_grad = False
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    if not isinstance(t, torch.Tensor) or t.is_sparse:
+        return None
+    try:
+        return t.untyped_storage()
+    except (NotImplementedError, RuntimeError):  # a tensor without storage (a functional wrapper, a nested one)
+        return None
+
+
+class MemoryTrace(TorchDispatchMode):
+    """The live bytes of storages through a region: the running total, its peak, the blocks alive at the peak and
+    a timeline of ``(event index, phase, bytes)`` points.
+
+    Storages alive before the region (parameters, optimizer state) are given to :meth:`seed`; storages met for the
+    first time inside it are counted from that moment to their end. ``phase`` (set by the caller) labels each new
+    block with the part of the step that made it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._blocks = WeakIdKeyDictionary()  # storage -> its _Block
+        self._live: dict[int, _Block] = {}  # id(block) -> block, for the snapshot at the peak
+        self.phase = "seed"  # the label new blocks get
+        self.total = 0  # bytes alive now
+        self.peak = 0  # the most bytes alive at once
+        self.peak_phase = "seed"
+        self.peak_blocks: list[tuple[_Block, int]] = []  # the blocks alive at the peak, with their bytes then
+        self._peak_pending = False  # the peak rose and its blocks are not yet recorded
+        self.timeline: list[tuple[int, str, int]] = [(0, "seed", 0)]
+        self.events = 0
+        self.finished = False
+
+    # -- counting ----------------------------------------------------------------------------------------------
+    def seed(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count these tensors' storages as alive from now on (once each)."""
+        for t in tensors:
+            self._see(t)
+        self._settle_peak()
+        self.timeline, self.events = [(0, self.phase, self.total)], 0
+
+    def _see(self, t: Any) -> None:
+        st = _storage(t)
+        if st is None:
+            return
+        nbytes = st.nbytes()
+        if t.device.type == "cuda":  # the caching allocator's smallest block and rounding (as torch's MemTracker)
+            nbytes = -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK
+        block = self._blocks.get(st)
+        if block is not None:
+            if block.nbytes != nbytes:  # resized in place (an out= operator, resize_)
+                grown, block.nbytes = nbytes - block.nbytes, nbytes
+                self._add(grown)
+            return
+        block = _Block(nbytes, self.phase)
+        self._blocks[st] = block
+        self._live[id(block)] = block
+        weakref.finalize(st, self._freed, id(block))
+        if nbytes:
+            self._add(nbytes)
+
+    def _add(self, nbytes: int) -> None:
+        if nbytes < 0:
+            self._settle_peak()
+        self.total += nbytes
+        self.events += 1
+        self.timeline.append((self.events, self.phase, self.total))
+        if self.total > self.peak:
+            self.peak, self.peak_phase, self._peak_pending = self.total, self.phase, True
+
+    def _freed(self, key: int) -> None:
+        if self.finished:  # the region is over: what dies later (the model, when dropped) is not its memory
+            return
+        self._settle_peak()
+        block = self._live.pop(key)
+        if block.nbytes:
+            self.total -= block.nbytes
+            self.events += 1
+            self.timeline.append((self.events, self.phase, self.total))
+
+    def _settle_peak(self) -> None:
+        # the blocks at the peak are copied once, when the total first falls from it (or at the end)
+        if self._peak_pending:
+            self.peak_blocks = [(b, b.nbytes) for b in self._live.values()]  # the sizes then: a resize changes them
+            self._peak_pending = False
+
+    def block_of(self, t: torch.Tensor) -> _Block | None:
+        st = _storage(t)
+        return None if st is None else self._blocks.get(st)
+
+    def finish(self) -> None:
+        """End the region: the peak is settled, and frees from now on are not counted."""
+        self._settle_peak()
+        self.finished = True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_iter(out):
+            if isinstance(t, torch.Tensor):
+                self._see(t)
+        return out
