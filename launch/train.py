@@ -77,6 +77,7 @@ from .pipeline import PIPELINED, check_pipeline, stage_group, stage_of
 from .run_log import RunLog
 from .run_dir import plan_run, write_config
 from .runtime import LaunchError, Runtime, TermSignal, resolve_parallel, start, stop
+from .tensor_parallel import check_tp
 from .train_config import TrainConfig, parse_config
 from .train_loop import Job
 
@@ -177,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parallel = resolve_parallel(cfg.parallel, rt)
         check_pipeline(cfg, rt, parallel)
+        check_tp(cfg, rt, parallel)
         if cfg.compare and (cfg.resume or cfg.checkpoint_every or cfg.overwrite):
             raise LaunchError("--compare trains two jobs from scratch: drop --resume, --checkpoint-every and "
                               "--overwrite")
