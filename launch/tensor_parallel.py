@@ -54,10 +54,12 @@ def data_parallel(rt: Runtime, parallel: str, tp_size: int) -> tuple[int, int]:
     return rt.rank, rt.world
 
 
-def _replicate(module: nn.Module, mesh, shared: dict[int, tuple[nn.Parameter, nn.Parameter]]) -> None:
+def _replicate(module: nn.Module, mesh, shared: dict[int, tuple[nn.Parameter, nn.Parameter]],
+               unwrap: bool = True) -> None:
     """``module``'s own parameters as ``Replicate`` DTensors, run on the replicated activations: plain inputs are
-    wrapped as ``Replicate`` and the output is unwrapped, so its neighbours see plain tensors as they do around the
-    sharded MLP. ``shared`` maps the plain parameters already replaced to their DTensors (keeps a tied head tied)."""
+    wrapped as ``Replicate`` and (``unwrap``) the output is unwrapped, so its neighbours see plain tensors as they do
+    around the sharded MLP. ``shared`` maps the plain parameters already replaced to their DTensors (keeps a tied
+    head tied)."""
     from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
 
     def partition(name: str, mod: nn.Module, mesh) -> None:
@@ -75,7 +77,13 @@ def _replicate(module: nn.Module, mesh, shared: dict[int, tuple[nn.Parameter, nn
     def outputs(mod: nn.Module, out: Any, mesh) -> Any:
         return out.to_local() if isinstance(out, DTensor) else out
 
-    distribute_module(module, mesh, partition, inputs, outputs)
+    distribute_module(module, mesh, partition, inputs, outputs if unwrap else None)
+
+
+def _to_local(module: nn.Module, args: tuple, out: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return out.to_local() if isinstance(out, DTensor) else out
 
 
 def parallelize(model: nn.Module, parallel: str, rt: Runtime, tp_size: int) -> nn.Module:
@@ -102,11 +110,14 @@ def parallelize(model: nn.Module, parallel: str, rt: Runtime, tp_size: int) -> n
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding, nn.LayerNorm)) and not any(
                 hasattr(p, "placements") for p in module.parameters(recurse=False)):
-            _replicate(module, tp_mesh, shared)
+            _replicate(module, tp_mesh, shared, unwrap=module is not model.head)
     if dp_mesh is not None:
         from torch.distributed.fsdp import fully_shard
 
         for block in model.blocks:
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
+    # the logits leave the model as a plain tensor, unwrapped after FSDP2's own post-forward hook: FSDP2 warns of a
+    # root output that is a view, which to_local() returns
+    model.register_forward_hook(_to_local)
     return model
