@@ -1,7 +1,7 @@
 """``--parallel tp`` and ``fsdp2+tp``: the GPT's MLPs sharded over the tensor-parallel ranks, every other parameter a
 replicated DTensor; under ``fsdp2+tp`` on a ``("dp", "tp")`` mesh, TP first, then ``fully_shard`` per block and the
 root on "dp" (torchtitan's order). The TP ranks of a replica see the same batch; the names of the parameters stay
-the plain model's, so a checkpoint resumes on any layout.
+the plain model's, so a checkpoint resumes on another layout.
 """
 
 from __future__ import annotations

@@ -50,8 +50,8 @@ Options that change the training loop:
   whole batch. ``--parallel fsdp2+tp --tp-size T``: a ``("dp", "tp")`` mesh of world / T x T (ranks
   ``[d * T, (d + 1) * T)`` are replica d), TP first, then ``fully_shard`` per block and the root on "dp"; each
   replica takes its part of the global batch, as ``--parallel fsdp2``'s ranks do. ``--n-embd`` must divide by the
-  TP size; ``--tp-size`` with any other ``--parallel`` (pipelines included) is refused. Checkpoints resume on any
-  layout (names and full shapes are the plain model's).
+  TP size; ``--tp-size`` with any other ``--parallel`` (pipelines included) is refused. Checkpoints resume on
+  another layout (the parameters keep the plain model's names and full shapes): fsdp2+tp's on one process, say.
 - ``--max-grad-norm C [--clip-mode exact|two_pass|per_parameter|previous_norm]``: clipping (docs/clipping.md);
   ``exact`` holds the step's gradients until backward ends and so gives up the memory saving; ``two_pass`` gives
   the same result and keeps the saving, for the time of a second backward.
