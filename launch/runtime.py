@@ -125,9 +125,14 @@ def resolve_parallel(parallel: str, rt: Runtime) -> str:
     return parallel
 
 
-def wrap(model: nn.Module, parallel: str, rt: Runtime) -> nn.Module:
-    """``model`` on the run's device, wrapped for ``parallel`` (``fsdp2``: each block, then the root)."""
+def wrap(model: nn.Module, parallel: str, rt: Runtime, tp_size: int = 0) -> nn.Module:
+    """``model`` on the run's device, wrapped for ``parallel`` (``fsdp2``: each block, then the root; ``tp``,
+    ``fsdp2+tp``: :func:`launch.tensor_parallel.parallelize` over ``tp_size`` ranks)."""
     model.to(rt.device)
+    if parallel in ("tp", "fsdp2+tp"):
+        from .tensor_parallel import parallelize
+
+        return parallelize(model, parallel, rt, tp_size)
     if parallel == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -147,6 +152,6 @@ def sync_context(model: nn.Module, parallel: str, last: bool):
     """The context of one micro-batch's backward: gradient reduction only on the last micro-batch."""
     if parallel == "ddp" and not last:
         return model.no_sync()
-    if parallel == "fsdp2":
+    if parallel in ("fsdp2", "fsdp2+tp"):
         model.set_requires_gradient_sync(last)
     return contextlib.nullcontext()

@@ -15,6 +15,8 @@ with one GPU per process when CUDA is present)::
     torchrun --standalone --nproc-per-node 2 -m launch.train --steps 50 --parallel pp --tie-weights false
     torchrun --standalone --nproc-per-node 4 -m launch.train --steps 50 --parallel pp+fsdp2 --pp-stages 2 \\
         --tie-weights false
+    torchrun --standalone --nproc-per-node 2 -m launch.train --steps 50 --parallel tp
+    torchrun --standalone --nproc-per-node 4 -m launch.train --steps 50 --parallel fsdp2+tp --tp-size 2
 
 Two machines (run the same command on both, HOST:PORT being the first machine's address and a free port;
 ``--rdzv-id`` names the job)::
@@ -42,6 +44,14 @@ Options that change the training loop:
   2; ranks ``[0, world / S)`` hold stage 0); each of the world / S pipelines takes its part of the global batch, as
   under ``--parallel fsdp2``, and the loss logged is their mean. Same refusals; checkpoints/stage{s} is saved by
   every rank of the stage.
+- ``--parallel tp``: tensor parallel over every process (``parallelize_module``): each block's MLP
+  ``ColwiseParallel`` then ``RowwiseParallel``, every other parameter a replicated DTensor (the fused ``qkv``
+  Linear's rows are q, k, v in turn, so one column split would not give a rank its heads); every rank sees the
+  whole batch. ``--parallel fsdp2+tp --tp-size T``: a ``("dp", "tp")`` mesh of world / T x T (ranks
+  ``[d * T, (d + 1) * T)`` are replica d), TP first, then ``fully_shard`` per block and the root on "dp"; each
+  replica takes its part of the global batch, as ``--parallel fsdp2``'s ranks do. ``--n-embd`` must divide by the
+  TP size; ``--tp-size`` with any other ``--parallel`` (pipelines included) is refused. Checkpoints resume on
+  another layout (the parameters keep the plain model's names and full shapes): fsdp2+tp's on one process, say.
 - ``--max-grad-norm C [--clip-mode exact|two_pass|per_parameter|previous_norm]``: clipping (docs/clipping.md);
   ``exact`` holds the step's gradients until backward ends and so gives up the memory saving; ``two_pass`` gives
   the same result and keeps the saving, for the time of a second backward.
@@ -80,6 +90,7 @@ from .pipeline import PIPELINED, check_pipeline, stage_group, stage_of
 from .run_log import RunLog
 from .run_dir import plan_run, write_config
 from .runtime import LaunchError, Runtime, TermSignal, resolve_parallel, start, stop
+from .tensor_parallel import check_tp
 from .train_config import TrainConfig, parse_config
 from .train_loop import Job
 
@@ -187,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parallel = resolve_parallel(cfg.parallel, rt)
         check_pipeline(cfg, rt, parallel)
+        check_tp(cfg, rt, parallel)
         if cfg.compare and (cfg.resume or cfg.checkpoint_every or cfg.overwrite):
             raise LaunchError("--compare trains two jobs from scratch: drop --resume, --checkpoint-every and "
                               "--overwrite")

@@ -20,7 +20,7 @@ __all__ = ["MODEL_SHAPE", "PROCESS_OPTIONS", "TrainConfig", "parse_config"]
 # the options a checkpoint's tensors are shaped by: a resumed run cannot change them
 MODEL_SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "tie_weights")
 # options of one process run, not of the training: a resume may change them without notice
-PROCESS_OPTIONS = ("stop_after", "device", "threads", "parallel", "pp_stages", "run_dir", "log_every",
+PROCESS_OPTIONS = ("stop_after", "device", "threads", "parallel", "pp_stages", "tp_size", "run_dir", "log_every",
                    "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "compare", "profile_step", "plan")
 
 
@@ -65,9 +65,11 @@ class TrainConfig:
     # parallelism
     parallel: str = _opt("auto", "wrapper: fsdp2 (fully_shard per block, then the root), ddp, pp (pipeline "
                                  "stages, one per process), pp+fsdp2 (pipeline stages, each fully_shard-ed over "
-                                 "world / --pp-stages processes), none (one process); auto = fsdp2 when the world "
-                                 "size is > 1, else none",
-                         ("auto", "fsdp2", "ddp", "pp", "pp+fsdp2", "none"))
+                                 "world / --pp-stages processes), tp (tensor parallel over every process: the "
+                                 "MLPs sharded, the rest replicated), fsdp2+tp (a (world / --tp-size, --tp-size) "
+                                 "mesh: tp, then fully_shard over the first dimension), none (one process); auto = "
+                                 "fsdp2 when the world size is > 1, else none",
+                         ("auto", "fsdp2", "ddp", "pp", "pp+fsdp2", "tp", "fsdp2+tp", "none"))
     pp_stages: int | None = _opt(None, "--parallel pp, pp+fsdp2: pipeline stages, cut on block boundaries (the first "
                                        "embeds, the last has the head and the loss); pp: none = the world size, the "
                                        "only value one stage per rank allows; pp+fsdp2: required, a divisor of the "
@@ -76,6 +78,8 @@ class TrainConfig:
                                           "each pipeline's batch (none = 4)")
     pp_schedule: str | None = _opt(None, "--parallel pp, pp+fsdp2: the torch.distributed.pipelining schedule "
                                          "(none = 1f1b)", ("1f1b", "gpipe"))
+    tp_size: int | None = _opt(None, "--parallel fsdp2+tp: tensor-parallel ranks per replica, a divisor of the "
+                                     "world size below it (required); --parallel tp: none = the world size")
     device: str = _opt("auto", "auto = cuda:LOCAL_RANK (NCCL) when CUDA is present, else cpu (gloo)",
                        ("auto", "cpu", "cuda"))
     threads: int = _opt(0, "intra-op threads per process; 0 = the cores divided by the local processes")
@@ -124,6 +128,7 @@ class TrainConfig:
             (self.checkpoint_every >= 0, f"checkpoint_every must be >= 0, got {self.checkpoint_every!r}"),
             (self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints!r}"),
             (self.pp_stages is None or self.pp_stages >= 1, f"pp_stages must be >= 1, got {self.pp_stages!r}"),
+            (self.tp_size is None or self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size!r}"),
             (self.microbatches is None or self.microbatches >= 1,
              f"microbatches must be >= 1, got {self.microbatches!r}"),
         ]

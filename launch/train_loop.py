@@ -7,6 +7,7 @@ their losses are bitwise equal where the wrapper reduces in the same order (chec
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -21,6 +22,7 @@ from .corpus import VOCAB_SIZE, Corpus
 from .gpt import from_config, loss_fn
 from .pipeline import PIPELINED, build_pipeline, run_schedule
 from .runtime import LaunchError, Runtime, sync_context, wrap
+from .tensor_parallel import check_tp, data_parallel
 from .train_config import TrainConfig
 
 __all__ = ["Job", "StepResult"]
@@ -59,10 +61,14 @@ class Job:
     """A model and optimizer built from ``cfg`` (same seed, same initial model on every rank and in every mode)."""
 
     def __init__(self, cfg: TrainConfig, rt: Runtime, corpus: Corpus, parallel: str, mode: str) -> None:
-        per_step = rt.world * cfg.accumulation_steps
+        tp_size = check_tp(cfg, rt, parallel)
+        # the TP ranks of a replica share its batch: the global batch is split over the replicas only
+        self.dp_rank, self.dp_size = data_parallel(rt, parallel, tp_size)
+        per_step = self.dp_size * cfg.accumulation_steps
         if parallel not in PIPELINED and cfg.batch_size % per_step:
+            ranks = "data-parallel replicas (world / TP size)" if tp_size else "world size"
             raise LaunchError(
-                f"batch_size must be a multiple of world size x accumulation_steps = {rt.world} x "
+                f"batch_size must be a multiple of {ranks} x accumulation_steps = {self.dp_size} x "
                 f"{cfg.accumulation_steps}, got {cfg.batch_size}"
             )
         self.cfg, self.rt, self.corpus, self.parallel, self.mode = cfg, rt, corpus, parallel, mode
@@ -71,7 +77,7 @@ class Job:
         self.n_params = sum(p.numel() for p in model.parameters())
         # --parallel pp, pp+fsdp2: every rank builds the whole model (the same initial weights) and keeps its stage
         self.pipe = build_pipeline(model, cfg, rt, parallel) if parallel in PIPELINED else None
-        self.model = self.pipe.module if self.pipe is not None else wrap(model, parallel, rt)
+        self.model = self.pipe.module if self.pipe is not None else wrap(model, parallel, rt, tp_size)
         adamw = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "weight_decay": cfg.weight_decay}
         if mode == "in_backward" and self.pipe is not None:
             clip = {"max_grad_norm": cfg.max_grad_norm, "clip_mode": cfg.clip_mode} if cfg.max_grad_norm else {}
@@ -87,7 +93,8 @@ class Job:
                 self.opt = dist_optim.InBackwardOptimizer(
                     self.model, torch.optim.AdamW,
                     bucket_cap_mb=cfg.bucket_cap_mb,
-                    # wrappers accumulate through their own no-sync switch, one process through the engine's count
+                    # wrappers accumulate through their own no-sync switch, TP alone through opt.no_step() (below),
+                    # one process through the engine's count
                     accumulation_steps=cfg.accumulation_steps if parallel == "none" else 1,
                     max_grad_norm=cfg.max_grad_norm, clip_mode=cfg.clip_mode,
                     track_grad_norm=cfg.track_grad_norm, **adamw,
@@ -138,12 +145,17 @@ class Job:
             total = run_schedule(self.pipe, x.to(self.rt.device), y.to(self.rt.device))
             micro = []
         else:
-            micro = self.corpus.micro_batches(step, cfg.batch_size, self.rt.rank, self.rt.world,
+            micro = self.corpus.micro_batches(step, cfg.batch_size, self.dp_rank, self.dp_size,
                                               cfg.accumulation_steps)
             total = torch.zeros((), device=self.rt.device)
         for j, (x, y) in enumerate(micro):
             x, y = x.to(self.rt.device), y.to(self.rt.device)
-            with sync_context(self.model, self.parallel, j == len(micro) - 1):
+            last = j == len(micro) - 1
+            # TP alone has no wrapper to hold its gradients back: the in-backward optimizer does (DTensor parameters
+            # without FSDP2's no-sync switch cannot be counted by accumulation_steps)
+            holds = self.parallel == "tp" and self.mode == "in_backward" and not last
+            held = self.opt.no_step() if holds else contextlib.nullcontext()
+            with sync_context(self.model, self.parallel, last), held:
                 loss = loss_fn(self.model(x), y) / len(micro)
                 if self.mode == "in_backward":
                     self.opt.backward(loss)  # the last micro-batch's backward steps AdamW (two_pass: two of them)
