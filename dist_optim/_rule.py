@@ -10,6 +10,8 @@ A class that does not is refused with the reason, unless every step is one ``ste
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 import types
 from collections import defaultdict
 from collections.abc import Iterator
@@ -34,10 +36,19 @@ def is_torch_step(cls: type[torch.optim.Optimizer]) -> bool:
 
 @contextlib.contextmanager
 def no_rng(like: list[torch.Tensor]) -> Iterator[None]:
-    """Leave torch's global random streams as they were: a probe must not shift a user's random draws."""
+    """Leave the global random streams as they were (torch's, Python's ``random``, numpy's where imported: classes
+    draw from each, e.g. Kron's preconditioner updates): a probe must not shift a user's random draws."""
     devices = sorted({t.device.index or 0 for t in like if t.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
-        yield
+    python = random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python)
+        if numpy_state is not None:
+            numpy.random.set_state(numpy_state)
 
 
 MODE_SWITCHES = ("train", "eval")  # methods forwarded to the class over the facade's groups (schedule-free)

@@ -14,7 +14,10 @@ import copy
 import importlib
 import io
 import inspect
+import random
 import warnings
+
+import numpy
 
 import pytest
 import torch
@@ -197,6 +200,17 @@ def _modes(opt, name: str) -> None:
         method()
 
 
+def _seed(seed: int) -> None:
+    """Every global random stream a class may draw from (Kron draws from numpy's), the same on both sides."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    numpy.random.seed(seed)
+
+
+def _rng_states() -> list:
+    return [torch.get_rng_state(), random.getstate(), numpy.random.get_state()[1].tolist()]
+
+
 def _kwargs(key: str, cls) -> dict:
     kwargs = {"lr": 1e-3, **KWARGS.get(key, {})}
     if is_torch_step(cls) and "foreach" in inspect.signature(cls.__init__).parameters:
@@ -212,19 +226,19 @@ def _check_class(key: str, cls, mode: str) -> str:
     ref = Model()
     model = copy.deepcopy(ref)
     before = _params(model)
-    torch.manual_seed(5)
+    _seed(5)
     own_loop_fails = None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             std = _build(cls, ref, kwargs, key)
-            rng_std = torch.get_rng_state()
+            rng_std = _rng_states()
             _modes(std, "train")
-            torch.manual_seed(2)
+            _seed(2)
             _standard(ref, std, first)
     except Exception as e:  # noqa: BLE001 - a class its own plain loop cannot step (a closure, a Hessian)
         own_loop_fails = f"its own loop fails here: {type(e).__name__}: {str(e)[:200]}"
-    torch.manual_seed(5)
+    _seed(5)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -242,11 +256,11 @@ def _check_class(key: str, cls, mode: str) -> str:
         raise
     if own_loop_fails:
         pytest.skip(f"{own_loop_fails}; accepted in backward, where its step fails the same way")
-    assert torch.equal(rng_std, torch.get_rng_state()), "construction drew other random numbers than the class's"
+    assert _differs(rng_std, _rng_states()) is None, "construction drew other random numbers than the class's"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _modes(opt, "train")
-        torch.manual_seed(2)
+        _seed(2)
         _in_backward(model, opt, first)
     diff = _differs([p.detach() for p in ref.parameters()], [p.detach() for p in model.parameters()], "params")
     assert diff is None, f"training differs: {diff}"
@@ -268,7 +282,7 @@ def _check_class(key: str, cls, mode: str) -> str:
         for o, m, loop in ((std_e, resumed[0], _standard), (opt_c, resumed[1], _in_backward),
                            (std_d, resumed[2], _standard)):
             _modes(o, "train")
-            torch.manual_seed(3)
+            _seed(3)
             loop(m, o, second)
             _modes(o, "eval")
     expected = [p.detach() for p in resumed[0].parameters()]
@@ -380,10 +394,10 @@ def test_methods_of_the_class_are_forwarded_or_refused_by_name():
 def test_probes_leave_the_random_stream_alone():
     torch.manual_seed(0)
     model, other = Model(), Model()
-    state = torch.get_rng_state()
+    state = _rng_states()
     dist_optim.InBackwardOptimizer(model, GroupCounterSGD, lr=0.1)  # probed by behaviour
     dist_optim.InBackwardOptimizer(other, torch.optim.Adagrad, lr=0.1)  # torch's kernel probe
-    assert torch.equal(state, torch.get_rng_state())
+    assert _differs(state, _rng_states()) is None
 
 
 @pytest.mark.parametrize("path", ["optimi.AdamW", "schedulefree.AdamWScheduleFree", "bitsandbytes.optim.Adam8bit",
@@ -401,9 +415,17 @@ def test_checkpoint_round_trip(path, tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 1))  # 4096: quantised by both packages
     resumed = copy.deepcopy(model)
+    x = torch.randn(4, 16)
+    try:  # the class's own loop, once
+        own, own_model = None, copy.deepcopy(model)
+        own = cls(own_model.parameters(), lr=1e-2)
+        _modes(own, "train")
+        own_model(x).square().mean().backward()
+        own.step()
+    except Exception as e:  # noqa: BLE001 - e.g. torchao's compiled step where inductor cannot build it
+        pytest.skip(f"its own loop fails here: {type(e).__name__}: {str(e)[:200]}")
     opt = dist_optim.InBackwardOptimizer(model, cls, lr=1e-2, bucket_cap_mb=1e-4)
     _modes(opt, "train")
-    x = torch.randn(4, 16)
     for _ in range(2):
         model(x).square().mean().backward()
     if module == "torchao.optim":  # its states are tensor subclasses, which load back as plain tensors: refused
