@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from dist_optim._inputs import is_dtensor
+
 __all__: list[str] = []
 
 PROBE_STEPS = 3  # enough for a counter written at the first step and read at the next, and a warm-up branch
@@ -131,7 +133,7 @@ def _compare(cls: type[torch.optim.Optimizer], group: dict[str, Any], kwargs: di
              for _ in range(PROBE_STEPS)]
 
     def leaves() -> list[torch.Tensor]:
-        return [t.clone().requires_grad_(True) for t in start]
+        return [_as_kind(t.clone(), kind).requires_grad_(True) for t in start]
 
     # the standard loop
     torch.manual_seed(0)
@@ -143,7 +145,7 @@ def _compare(cls: type[torch.optim.Optimizer], group: dict[str, Any], kwargs: di
     counters: dict[str, Any] = {}
     for k, step_grads in enumerate(grads):
         for p, g in zip(ref_params, step_grads):
-            p.grad = g.clone()
+            p.grad = _as_kind(g.clone(), kind)
         unwrapped_step(cls)(ref)  # not ref.step(): global step hooks must not see the probe
         if k == 0:
             counters = _attributes(ref)
@@ -167,7 +169,7 @@ def _compare(cls: type[torch.optim.Optimizer], group: dict[str, Any], kwargs: di
         switch_mode(cls, "train", owner.param_groups, owner.state, ref.defaults)
     for step_grads in grads:
         for p, g in zip(params, step_grads):
-            p.grad = g.clone()
+            p.grad = _as_kind(g.clone(), kind)
         started: dict[int, dict[str, Any]] = {}
         for inners in buckets:
             step_inner_optimizers(inners, started)
@@ -199,6 +201,17 @@ def _attributes(opt: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's own attributes that hold numbers or tensors (where a counter would live), copied."""
     return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(opt).items()
             if k not in _TORCH_ATTRIBUTES and isinstance(v, (bool, int, float, str, torch.Tensor))}
+
+
+def _as_kind(t: torch.Tensor, kind: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor of ``kind``'s type: for a DTensor parameter, a replicated DTensor on its mesh (built
+    locally, no communication), so that a class that cannot step DTensors (bitsandbytes' kernels) fails here."""
+    if not is_dtensor(kind):
+        return t
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = kind.device_mesh
+    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 def _probe_shape(p: torch.Tensor) -> tuple[int, ...]:
