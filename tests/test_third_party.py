@@ -465,9 +465,9 @@ def _low_bit_scenario(ctx, path, wrapper):
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(16, 512), nn.Tanh(), nn.Linear(512, 16), nn.Tanh(), nn.Linear(16, 1))  # 8192: quantised shards
     a, b = copy.deepcopy(base), copy.deepcopy(base)
+    options = {"bucket_cap_mb": 1e-3} if wrapper == "ddp" else {}
     if wrapper == "ddp":
         a, b = DDP(a), DDP(b)
-        opt = dist_optim.InBackwardOptimizer(a, cls, bucket_cap_mb=1e-3, **kwargs)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -478,12 +478,13 @@ def _low_bit_scenario(ctx, path, wrapper):
                 if isinstance(layer, nn.Linear):
                     fully_shard(layer, mesh=mesh)
             fully_shard(m, mesh=mesh)
-        before = [p.to_local().clone() for p in a.parameters()]
-        try:
-            opt = dist_optim.InBackwardOptimizer(a, cls, **kwargs)
-        except NotImplementedError as e:  # before anything stepped
-            assert all(torch.equal(x, p.to_local()) for x, p in zip(before, a.parameters()))
-            return f"refused: {e}"
+    before = [(p.to_local() if hasattr(p, "to_local") else p).detach().clone() for p in a.parameters()]
+    try:
+        opt = dist_optim.InBackwardOptimizer(a, cls, **options, **kwargs)
+    except NotImplementedError as e:  # before anything stepped
+        after = [(p.to_local() if hasattr(p, "to_local") else p) for p in a.parameters()]
+        assert all(torch.equal(x, y) for x, y in zip(before, after))
+        return f"refused: {e}"
     ref = cls(b.parameters(), **kwargs)
     g = torch.Generator().manual_seed(10 + ctx.rank)
     for k in range(3):
@@ -520,5 +521,7 @@ def test_low_bit_states_under_ddp_and_fsdp2(ranks, path, wrapper):
     results = ranks.run(2, _low_bit_scenario, path=path, wrapper=wrapper)
     if all(r.startswith("own loop fails") for r in results):
         pytest.skip(results[0][:300])
-    expected = LOW_BIT_EXPECTED.get((path, wrapper), "exact: .*(OptimState|Tensor)")
+    # a class whose step fails on the probe where it also fails in its own loop (torchao's compiled step where
+    # inductor cannot build it) is refused, which is allowed
+    expected = LOW_BIT_EXPECTED.get((path, wrapper), "exact: .*(OptimState|Tensor)|refused: .*stepping it .*raised")
     assert all(re.match(expected, r, flags=re.S) for r in results), results
