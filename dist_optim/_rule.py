@@ -10,12 +10,16 @@ A class that does not is refused with the reason, unless every step is one ``ste
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 import types
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from dist_optim._inputs import is_dtensor
 
 __all__: list[str] = []
 
@@ -34,10 +38,19 @@ def is_torch_step(cls: type[torch.optim.Optimizer]) -> bool:
 
 @contextlib.contextmanager
 def no_rng(like: list[torch.Tensor]) -> Iterator[None]:
-    """Leave torch's global random streams as they were: a probe must not shift a user's random draws."""
+    """Leave the global random streams as they were (torch's, Python's ``random``, numpy's where imported: classes
+    draw from each, e.g. Kron's preconditioner updates): a probe must not shift a user's random draws."""
     devices = sorted({t.device.index or 0 for t in like if t.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
-        yield
+    python = random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python)
+        if numpy_state is not None:
+            numpy.random.set_state(numpy_state)
 
 
 MODE_SWITCHES = ("train", "eval")  # methods forwarded to the class over the facade's groups (schedule-free)
@@ -120,7 +133,7 @@ def _compare(cls: type[torch.optim.Optimizer], group: dict[str, Any], kwargs: di
              for _ in range(PROBE_STEPS)]
 
     def leaves() -> list[torch.Tensor]:
-        return [t.clone().requires_grad_(True) for t in start]
+        return [_as_kind(t.clone(), kind).requires_grad_(True) for t in start]
 
     # the standard loop
     torch.manual_seed(0)
@@ -132,7 +145,7 @@ def _compare(cls: type[torch.optim.Optimizer], group: dict[str, Any], kwargs: di
     counters: dict[str, Any] = {}
     for k, step_grads in enumerate(grads):
         for p, g in zip(ref_params, step_grads):
-            p.grad = g.clone()
+            p.grad = _as_kind(g.clone(), kind)
         unwrapped_step(cls)(ref)  # not ref.step(): global step hooks must not see the probe
         if k == 0:
             counters = _attributes(ref)
@@ -156,7 +169,7 @@ def _compare(cls: type[torch.optim.Optimizer], group: dict[str, Any], kwargs: di
         switch_mode(cls, "train", owner.param_groups, owner.state, ref.defaults)
     for step_grads in grads:
         for p, g in zip(params, step_grads):
-            p.grad = g.clone()
+            p.grad = _as_kind(g.clone(), kind)
         started: dict[int, dict[str, Any]] = {}
         for inners in buckets:
             step_inner_optimizers(inners, started)
@@ -188,6 +201,17 @@ def _attributes(opt: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's own attributes that hold numbers or tensors (where a counter would live), copied."""
     return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(opt).items()
             if k not in _TORCH_ATTRIBUTES and isinstance(v, (bool, int, float, str, torch.Tensor))}
+
+
+def _as_kind(t: torch.Tensor, kind: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor of ``kind``'s type: for a DTensor parameter, a replicated DTensor on its mesh (built
+    locally, no communication), so that a class that cannot step DTensors (bitsandbytes' kernels) fails here."""
+    if not is_dtensor(kind):
+        return t
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = kind.device_mesh
+    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 def _probe_shape(p: torch.Tensor) -> tuple[int, ...]:

@@ -1,11 +1,13 @@
 """How a bucket of parameters is stepped: its inner ``torch.optim`` optimizers, their kernel, DTensor shards.
 
 Inner optimizers are built here and nowhere else (:meth:`Recipe.build`), one per optimizer class in a bucket, with
-the facade's ``state`` and its live groups copied in before every step. The kernel is torch's fastest one that runs
-on the tensors (``fused``, else ``foreach``); buckets of DTensor shards for elementwise optimizers are stepped on
-their local tensors, which saves DTensor's dispatch per call, while the facade keeps the state as DTensors. A
-DTensor whose gradient's placements differ from its own (a ``Replicate`` norm weight with a ``Partial`` gradient
-under SequenceParallel) is stepped through DTensor's ops instead, which redistribute as the standard loop's do.
+the facade's ``state`` and its live groups copied in before every step, and what a class writes into its groups
+copied back once per training step (:func:`step_inner_optimizers`). For torch's classes the kernel is torch's
+fastest one that runs on the tensors (``fused``, else ``foreach``); other classes keep their own default. Buckets of
+DTensor shards for elementwise optimizers are stepped on their local tensors, which saves DTensor's dispatch per
+call, while the facade keeps the state as DTensors. A DTensor whose gradient's placements differ from its own (a
+``Replicate`` norm weight with a ``Partial`` gradient under SequenceParallel) is stepped through DTensor's ops
+instead, which redistribute as the standard loop's do.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class InnerOptimizer(NamedTuple):
     optimizer: torch.optim.Optimizer
     step: Callable[[torch.optim.Optimizer], Any]  # its unwrapped step, or that step run on local shards
     groups: list[GroupLink]
+    carries: bool = True  # whether its class may write into its groups (torch's own step writes nothing)
 
 
 def step_inner_optimizers(inners: list[InnerOptimizer], started: dict[int, dict[str, Any]]) -> None:
@@ -72,6 +75,12 @@ def step_inner_optimizers(inners: list[InnerOptimizer], started: dict[int, dict[
     checked at construction.
     """
     for inner in inners:
+        if not inner.carries:
+            for link in inner.groups:
+                link.inner.update(link.facade)
+                link.inner.update(link.fixed)
+            inner.step(inner.optimizer)
+            continue
         first = []
         for link in inner.groups:
             before = started.get(id(link.facade))
@@ -196,7 +205,7 @@ class Recipe:
             elif cls in _FUSED_ADAM and all(k.get("fused") or g.get("fused") for k, g in zip(
                     fixed, (groups[gi] for gi, _, _ in cls_parts))) and _one_kind(params):
                 step = FusedAdamStep(step, cls is torch.optim.AdamW, optimizer)
-            inners.append(InnerOptimizer(optimizer, step, links))
+            inners.append(InnerOptimizer(optimizer, step, links, not is_torch_step(cls)))
         return inners
 
 

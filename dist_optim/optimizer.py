@@ -71,6 +71,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             A group may carry its own ``"optimizer_class"``; such a group takes its options from the group dict
             and that class's defaults, not from ``optimizer_kwargs``.
         optimizer_class: a ``torch.optim.Optimizer`` subclass (not an instance), e.g. ``torch.optim.AdamW``.
+            A class whose step is not torch's own (pytorch-optimizer, torch-optimi, schedule-free, bitsandbytes,
+            torchao, yours) is stepped on small probe tensors at construction and refused unless stepping it per
+            bucket equals its own loop (docs/optimizers.md); its ``train()``/``eval()`` are forwarded.
         bucket_cap_mb: gradient bytes, in MiB, that a bucket holds at most before it is stepped. The gradients one
             autograd node computes together (a Linear's weight and bias) share a bucket even over the cap, since
             they are alive together anyway (a single larger tensor forms a bucket with them alone); under FSDP2 a
@@ -129,7 +132,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             DDP's nor DTensors, e.g. a norm left out of a tensor-parallel plan) and ``allow_local_steps`` is not
             set; compiled autograd is on.
         NotImplementedError: gradient norms (``max_grad_norm``, ``track_grad_norm``, ``nonfinite``) over plain
-            tensors next to DTensors; FSDP1; ``accumulation_steps > 1`` with DDP or DTensor parameters.
+            tensors next to DTensors; FSDP1; ``accumulation_steps > 1`` with DDP or DTensor parameters;
+            ``optimizer_class`` cannot be stepped one bucket at a time (its step couples tensors, keeps a counter of
+            its own, fails on probe tensors): the message says why and whether ``bucket_cap_mb=float("inf")`` makes
+            it exact.
 
     Example:
         >>> import torch, dist_optim
