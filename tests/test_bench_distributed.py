@@ -64,10 +64,11 @@ def test_bench_distributed_quick_in_backward_equals_the_standard_loops_and_fsdp2
 
     # FSDP2 buckets against per_parameter=True: a bucket never spans two fully_shard units (8 blocks and the root;
     # the default cap would hold the whole quick model), so no unit's reduce-scatter output outlives its last
-    # bucket and the buckets peak no higher (10 %: gloo's threads move a peak by a block now and then, 8.7 % of this
-    # quick model's 0.46 MiB peak once on a loaded 2-core machine)
+    # bucket and the buckets peak no higher (5 %) on some rank: gloo's threads move one rank's peak by a block now
+    # and then (8.7 % and 13.8 % of this quick model's 0.46 MiB peak, each on one rank, on a loaded 2-core machine),
+    # while buckets that outlived their unit would raise every rank's
     vs = result["fsdp2_buckets_vs_per_parameter"]
     assert vs["buckets"] == [9, 9], vs
     assert len(vs["time_ratio_paired"]) == 2 and all(x > 0 for x in vs["time_ratio_paired"]), vs
     if result["all_thread_memory"]:
-        assert all(b <= 1.10 * pp for pp, b in vs["peak_bytes"]), vs
+        assert min(b / pp for pp, b in vs["peak_bytes"]) <= 1.05, vs
