@@ -269,11 +269,7 @@ class Engine:
                 "opt.step() after setting the gradients"
             )
         if _compiled_autograd_on():
-            # Refused before anything steps; the gradients it leaves are dropped by the next backward, as after
-            # any backward that raised (``first``'s own is there already).
-            self.backward = refused = _Backward(tid, last.task, True, None)
-            refused.learning = [first] if first is not None else []
-            raise RuntimeError(compiled_autograd_message())
+            self._refuse(tid, last, first, compiled_autograd_message())
         nested, roots = _backward_frames()
         if tid == last.previous_task or nested:
             _refuse_nested_backward()
@@ -286,9 +282,7 @@ class Engine:
         policy = self.owner.grad_policy()
         if steps and not measures:
             if policy.two_pass and policy.phase == "":
-                self.backward = refused = _Backward(tid, last.task, True, None)
-                refused.learning = [first] if first is not None else []
-                raise RuntimeError(_TWO_PASS_MESSAGE)
+                self._refuse(tid, last, first, _TWO_PASS_MESSAGE)
             _guard_graph(roots)
         self.backward = bw = _Backward(tid, last.task, steps, policy, measures=measures)
         if steps:
@@ -303,6 +297,13 @@ class Engine:
         if not window:
             _queue_callback(lambda: self._end_of_backward(tid))
         return bw
+
+    def _refuse(self, tid: int, last: _Backward, first: int | None, message: str) -> None:
+        """Refuse the backward beginning at ``first``'s hook before anything steps; the gradients it leaves (``first``'s
+        own is there already) are dropped by the next backward, as after any backward that raised."""
+        self.backward = refused = _Backward(tid, last.task, True, None)
+        refused.learning = [first] if first is not None else []
+        raise RuntimeError(message)
 
     def _recover(self, last: _Backward, first: int | None) -> None:
         """The backward ``last`` never reached its end (it raised, was interrupted, or its callback was lost): its
