@@ -2,6 +2,7 @@
 
 from dist_optim._factory import in_backward
 from dist_optim._grad_policy import StepStats
+from dist_optim._options import InBackwardOptions
 from dist_optim._plan import LoopPlan, MemoryPlan, plan
 from dist_optim._seed_pair import apply_optimizer_in_backward, get_in_backward_optimizers
 from dist_optim.averaging import average_in_backward
@@ -10,6 +11,7 @@ from dist_optim.pipeline import pipeline_optimizers
 
 __all__ = [
     "InBackwardOptimizer",
+    "InBackwardOptions",
     "LoopPlan",
     "MemoryPlan",
     "StepStats",

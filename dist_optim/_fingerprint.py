@@ -7,6 +7,7 @@ once; only on a mismatch are the options themselves gathered, to name the one th
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Any
 
@@ -31,16 +32,20 @@ def _describe(value: Any) -> str:
     return type(value).__qualname__  # an object (a GradScaler): only its kind can be compared
 
 
-def options_of(opt: Any, accumulation_steps: int) -> dict[str, str]:
+# Options that change no result: how the step is cut into buckets, whether plain tensors may step locally (checked
+# on each rank by itself), warnings raised as errors
+_RESULT_NEUTRAL = ("bucket_cap_mb", "per_parameter", "allow_local_steps", "strict")
+
+
+def options_of(opt: Any, optimizer_class: type) -> dict[str, str]:
     """The options that must agree across ranks (those that change the arithmetic or run a collective), as
-    comparable strings, keyed by where they are set. Bucketing is left out: it changes no result."""
-    options = {
-        "optimizer_class": _describe(opt._optimizer_class),
-        "accumulation_steps": _describe(accumulation_steps),
-    }
-    for name, value in opt._policy_options.items():
-        options[name] = _describe(value)
-    for gi, (cls, group) in enumerate(zip(opt._recipe.classes, opt.param_groups)):
+    comparable strings, keyed by where they are set: the ``InBackwardOptions`` fields but those that change no
+    result, and every group's class and hyperparameters."""
+    options = {"optimizer_class": _describe(optimizer_class)}
+    for f in dataclasses.fields(opt.options):
+        if f.name not in _RESULT_NEUTRAL:
+            options[f.name] = _describe(getattr(opt.options, f.name))
+    for gi, (cls, group) in enumerate(zip(opt.optimizer_classes, opt.param_groups)):
         options[f"param_groups[{gi}].optimizer_class"] = _describe(cls)
         for key, value in sorted(hyperparameters(group).items()):
             options[f"param_groups[{gi}].{key}"] = _describe(value)
@@ -58,7 +63,7 @@ def sharding_groups(params: list[torch.Tensor]) -> list[Any]:
     return [mesh.get_group(dim) for dim in range(mesh.ndim)]
 
 
-def check_same_options(opt: Any, groups: list[Any], accumulation_steps: int) -> None:
+def check_same_options(opt: Any, groups: list[Any], optimizer_class: type) -> None:
     """Raise on every rank if some option differs across the ranks of any of ``groups`` (``None``: the default
     group), the dimensions of one device mesh: a rank whose own groups agree learns of a mismatch elsewhere.
 
@@ -69,7 +74,7 @@ def check_same_options(opt: Any, groups: list[Any], accumulation_steps: int) -> 
     groups = [g for g in groups if dist.get_world_size(g) > 1]
     if not groups:
         return
-    options = options_of(opt, accumulation_steps)
+    options = options_of(opt, optimizer_class)
     digest = hashlib.sha256(repr(sorted(options.items())).encode()).hexdigest()[:16]
     mismatched = [g for g in groups if len(set(_gathered(digest, g))) > 1]
     if len(groups) > 1:  # along each dimension in turn: after the last one, every rank of the mesh knows

@@ -10,7 +10,6 @@ holds the buckets and asks ``finish_held`` at the end of backward. Arithmetic fo
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -21,12 +20,10 @@ from torch._subclasses.fake_tensor import is_fake  # the planner's fake tensors 
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype  # clip_grad_norm_'s own grouping
 
 from dist_optim._inputs import is_dtensor
+from dist_optim._options import InBackwardOptions
 
 __all__: list[str] = []
 
-CLIP_MODES = ("exact", "two_pass", "per_parameter", "previous_norm")
-OVERFLOW_MODES = ("exact", "per_bucket")
-NONFINITE_MODES = ("ignore", "skip", "raise")
 
 
 @dataclass
@@ -57,56 +54,23 @@ class StepStats:
 
 
 class GradPolicy:
-    def __init__(
-        self,
-        *,
-        max_grad_norm: float | None,
-        clip_mode: str,
-        grad_norm_type: float,
-        max_grad_value: float | None,
-        grad_scaler: Any,
-        overflow: str,
-        nonfinite: str,
-        track_grad_norm: bool,
-        grad_multiplier: float | torch.Tensor | None = None,
-        grad_divisor: int | None = None,
-    ) -> None:
-        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
-            raise ValueError(f"max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}")
-        if max_grad_value is not None and not (isinstance(max_grad_value, (int, float)) and max_grad_value > 0):
-            raise ValueError(f"max_grad_value must be a number > 0 or None, got {max_grad_value!r}")
-        for name, value, allowed in (
-            ("clip_mode", clip_mode, CLIP_MODES),
-            ("overflow", overflow, OVERFLOW_MODES),
-            ("nonfinite", nonfinite, NONFINITE_MODES),
-        ):
-            if value not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
-        grad_norm_type = float(grad_norm_type)
-        if not (grad_norm_type > 0):
-            raise ValueError(f"grad_norm_type must be > 0 (or inf), got {grad_norm_type!r}")
-        if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
-            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
-        if grad_scaler is not None and nonfinite != "ignore":
-            raise ValueError("with a grad_scaler, overflows are the scaler's business: leave nonfinite='ignore'")
+    def __init__(self, options: InBackwardOptions) -> None:
+        max_grad_norm, clip_mode = options.max_grad_norm, options.clip_mode
         self.max_grad_norm = max_grad_norm
         self.clip_mode = clip_mode
-        self.norm_type = grad_norm_type
-        self.max_grad_value = max_grad_value
-        self.scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
-        self.overflow_mode = overflow
-        self.nonfinite = nonfinite
-        clip_global = max_grad_norm is not None and clip_mode != "per_parameter"
-        self.track_norm = track_grad_norm or clip_global
-        self.grad_multiplier = self.check_multiplier(grad_multiplier)
-        if grad_divisor is not None and (isinstance(grad_divisor, bool) or not isinstance(grad_divisor, int)
-                                         or grad_divisor < 1):
-            raise ValueError(f"grad_divisor must be an int >= 1 or None, got {grad_divisor!r}")
-        self.grad_divisor = grad_divisor
+        self.norm_type = options.grad_norm_type
+        self.max_grad_value = options.max_grad_value
+        scaler = options.grad_scaler
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self.overflow_mode = options.overflow
+        self.nonfinite = options.nonfinite
+        self.track_norm = options.track_grad_norm or options.clips_by_global_norm
+        self.grad_multiplier = options.grad_multiplier
+        self.grad_divisor = options.grad_divisor
         # two_pass: a measuring backward decides norm and overflow, then the stepping backward steps each bucket
         self.two_pass = max_grad_norm is not None and clip_mode == "two_pass"
         self._holds = (max_grad_norm is not None and clip_mode == "exact") or (
-            self.scaler is not None and overflow == "exact" and not self.two_pass
+            self.scaler is not None and options.overflow == "exact" and not self.two_pass
         )
         self.hold = self._holds  # for this step: whether buckets wait for the decision on the whole step
         # The pass of a two-pass step, set by the optimizer around each backward: "" (a plain backward), "measure",
@@ -115,7 +79,7 @@ class GradPolicy:
         self.measured_norm: torch.Tensor | None = None  # the measuring pass's global norm, which the step clips by
         self._coef: torch.Tensor | None = None
         self._transforms = self.track_norm or self.hold or self.scaler is not None or max_grad_norm is not None or (
-            max_grad_value is not None or nonfinite != "ignore"
+            options.max_grad_value is not None or options.nonfinite != "ignore"
         )
         self.previous_norm: torch.Tensor | None = None
         self.stats = StepStats()
@@ -126,22 +90,6 @@ class GradPolicy:
         self._found_inf: torch.Tensor | None = None
         self._inv_scale: torch.Tensor | None = None
         self._started = 0.0
-
-    @staticmethod
-    def check_multiplier(value: float | torch.Tensor | None) -> float | torch.Tensor | None:
-        """A gradient multiplier is a finite number or a one-element tensor (``None``: no scaling)."""
-        if value is None:
-            return None
-        if isinstance(value, torch.Tensor):
-            if value.numel() != 1 or not value.is_floating_point():
-                raise ValueError(
-                    f"grad_multiplier must be a number or a one-element floating tensor, got a {value.dtype} tensor of "
-                    f"shape {tuple(value.shape)}"
-                )
-            return value.detach()
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"grad_multiplier must be a finite number, a one-element tensor or None, got {value!r}")
-        return float(value)
 
     @property
     def active(self) -> bool:

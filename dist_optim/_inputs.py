@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
+
+from dist_optim import _torch_internals as internals
 
 __all__: list[str] = []
 
@@ -153,3 +157,74 @@ def as_list(params: Any) -> list[Any]:
         raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
                         "tensors in sets will change between runs. Please use a list instead.")
     return list(params)
+
+
+def param_groups_of(params: Any) -> list[Any]:
+    """``params`` as ``torch.optim`` takes it (tensors, ``(name, tensor)`` pairs or group dicts) as a list of
+    groups, each group's ``"params"`` a list."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            "params must be an iterable of Tensors, (name, Tensor) pairs or dicts, or an nn.Module, got a "
+            "Tensor; wrap it in a list"
+        )
+    if isinstance(params, set):
+        raise TypeError(
+            "params must be an ordered collection (a list), got a set, whose order changes between runs and would "
+            "mismatch the state dict; pass a list"
+        )
+    groups = as_list(params)
+    if not groups:
+        raise ValueError("InBackwardOptimizer got an empty parameter list")
+    if not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    return [{**g, "params": as_list(g["params"])} if isinstance(g, dict) and "params" in g else g for g in groups]
+
+
+def norm_order_of(tensors: Any) -> dict[int, int]:
+    """``grad_norm_order`` checked, as ``id(tensor) -> place`` (``None``: the given order)."""
+    if tensors is None:
+        return {}
+    if isinstance(tensors, nn.Module):
+        tensors = tensors.parameters()
+    if isinstance(tensors, torch.Tensor) or isinstance(tensors, (set, frozenset)):
+        raise TypeError(
+            f"grad_norm_order must be an ordered iterable of tensors (e.g. model.parameters()) or an nn.Module, "
+            f"got a {type(tensors).__name__}"
+        )
+    order: dict[int, int] = {}
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"grad_norm_order must hold tensors, got a {type(t).__name__}")
+        order.setdefault(id(t), len(order))
+    return order
+
+
+def first_tensor(groups: list[Any]) -> torch.Tensor:
+    """The first tensor given (its dtype and device build the probe of the class's defaults), else an empty one."""
+    first = next((p for g in groups if isinstance(g, dict) for p in g.get("params", [])), None)
+    if isinstance(first, tuple):
+        first = first[1]
+    return first if isinstance(first, torch.Tensor) else torch.empty(0)
+
+
+def warn_fused_with_uneven_scale(scaler: Any, kernels: list[dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+    """``scaler.step(opt)`` lets a fused kernel unscale the gradients itself (``grad / scale`` inside the kernel);
+    in backward they are unscaled before the step (``grad * (1 / scale)``, as ``scaler.unscale_`` does). Both are
+    exact while the scale is a power of two, as GradScaler's defaults keep it; other factors make them differ in
+    the last bit, which is said once here rather than left silent."""
+    if scaler is None or not scaler.is_enabled():
+        return
+    factors = internals.scaler_factors(scaler)
+    uneven = {k: v for k, v in factors.items() if math.frexp(float(v))[0] != 0.5}
+    fused = any(k.get("fused") or g.get("fused") for k, g in zip(kernels, groups))
+    if uneven and fused:
+        warnings.warn(
+            f"grad_scaler has {', '.join(f'{k}={v}' for k, v in uneven.items())}, not a power of two, and the "
+            "optimizer runs a fused kernel: scaler.step(opt) would let that kernel unscale the gradients itself, "
+            "which rounds differently from unscaling them before the step as the in-backward step does, so results "
+            "differ from scaler.step's in the last bit. Use powers of two (GradScaler's defaults), or foreach=True, "
+            "whose scaler.step unscales first too",
+            UserWarning,
+            stacklevel=3,
+        )
+

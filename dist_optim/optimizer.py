@@ -8,43 +8,52 @@ the gradients of a bucket are ready, and those gradients are freed at once.
 from __future__ import annotations
 
 import contextlib
-import functools
+import dataclasses
 import math
 import sys
-import warnings
 import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from itertools import chain
 from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 from torch.utils.hooks import RemovableHandle
 
+from dist_optim import _torch_internals as internals
+from dist_optim._class_state import (
+    class_load_state_dict,
+    class_state_dict,
+    convert_loaded_state,
+    forwarded_attribute,
+    own_class,
+)
 from dist_optim._ddp import DDPCommHook, check_ddp, ddp_managed
-from dist_optim._engine import Engine, compiled_autograd_message
+from dist_optim._engine import Engine
 from dist_optim._fingerprint import check_same_options, sharding_groups
-from dist_optim._frameworks import Watch, adapted_framework_above
-from dist_optim._fsdp2 import accumulated_unsharded, fsdp_units
-from dist_optim._grad_policy import GradPolicy, StepStats
+from dist_optim._fsdp2 import fsdp_units
+from dist_optim._grad_policy import StepStats
+from dist_optim._guards import compiled_autograd_message
 from dist_optim._inputs import (
     as_list,
     check_optimizer_class,
     check_single_process,
     check_sparse_modules,
     check_tensor,
+    first_tensor,
     is_dtensor,
     module_params,
+    norm_order_of,
+    param_groups_of,
+    warn_fused_with_uneven_scale,
 )
-from dist_optim._owners import check_unowned, is_owned, record_owner, release
-from dist_optim._rule import MODE_SWITCHES, no_rng, switch_mode
-from dist_optim._stepper import Recipe, hyperparameters
+from dist_optim._options import DEFAULT_BUCKET_CAP_MB, InBackwardOptions, check_for_params, options_from
+from dist_optim._owners import check_unowned, record_owner, release
+from dist_optim._stepper import Recipe
+from dist_optim._training_step import TrainingStep
 
 __all__: list[str] = []
 
-DEFAULT_BUCKET_CAP_MB = 4.0
 _UNCHANGED = object()
 _NOT_GIVEN: Any = object()  # params and optimizer_class are required; a clear error says so
 
@@ -59,8 +68,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     loop ``loss.backward(); opt.step(); opt.zero_grad()`` with the same optimizer and implementation.
 
     The optimizer lives as long as the parameters it steps, which hold it (as ``_in_backward_engine`` in their
-    ``__dict__``, left out of copies and pickles): dropping the last reference to it does not stop training, and
-    dropping model and optimizer frees both. :meth:`remove` detaches it.
+    ``__dict__``; a copy or a pickle of a parameter holds an empty ``OrderedDict`` there instead, and is not
+    stepped): dropping the last reference to it does not stop training, and dropping model and optimizer frees
+    both. :meth:`remove` detaches it.
 
     Args:
         params: what ``torch.optim`` accepts (tensors, ``named_parameters()``, param-group dicts) or an
@@ -119,6 +129,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         ddp_comm_state: the state passed to ``ddp_comm_hook``.
         strict: raise instead of warning when a loop runs several stepping backwards between two :meth:`step`
             calls (gradient accumulation written for a standard optimizer, which steps here on every backward).
+        options: an :class:`~dist_optim.InBackwardOptions` holding the engine options above (from
+            ``bucket_cap_mb`` to ``strict``) as one object, in place of those keywords, which must then be left
+            out; read back as :attr:`options`.
         **optimizer_kwargs: options of ``optimizer_class`` (``lr``, ``weight_decay``, ...), checked by
             ``optimizer_class`` itself at construction.
 
@@ -126,8 +139,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         TypeError: ``optimizer_class`` is not an optimizer class, ``optimizer_kwargs`` has an unknown option, or
             ``params`` is a set (unordered, as ``torch.optim`` refuses).
         ValueError: a tensor is not a leaf, does not require grad, is on the meta device, or is given twice; the
-            optimizer needs a closure (LBFGS); an engine option is out of range; under DDP, FSDP2 or tensor
-            parallel, an option differs across ranks (raised on every rank).
+            optimizer needs a closure (LBFGS); an engine option is out of range; both ``options`` and an engine
+            keyword are given; under DDP, FSDP2 or tensor parallel, an option differs across ranks (raised on every
+            rank).
         RuntimeError: a multi-rank process group is initialised, some parameters are plain tensors (neither
             DDP's nor DTensors, e.g. a norm left out of a tensor-parallel plan) and ``allow_local_steps`` is not
             set; compiled autograd is on.
@@ -170,6 +184,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         ddp_comm_hook: Callable[..., Any] | None = None,
         ddp_comm_state: Any = None,
         strict: bool = False,
+        options: InBackwardOptions | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if params is _NOT_GIVEN or optimizer_class is _NOT_GIVEN:
@@ -182,104 +197,63 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                 "class instead: dist_optim.in_backward(torch.optim.AdamW, **engine_options)"
             )
         check_optimizer_class(optimizer_class)
-        if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        options = options_from(options, dict(
+            bucket_cap_mb=bucket_cap_mb, per_parameter=per_parameter, allow_local_steps=allow_local_steps,
+            accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm, clip_mode=clip_mode,
+            grad_norm_type=grad_norm_type, max_grad_value=max_grad_value, track_grad_norm=track_grad_norm,
+            grad_scaler=grad_scaler, overflow=overflow, nonfinite=nonfinite, strict=strict,
+        ))
         dynamo = sys.modules.get("torch._dynamo")
         if dynamo is not None and dynamo.config.compiled_autograd:
             raise RuntimeError(compiled_autograd_message())
-        if not (isinstance(accumulation_steps, int) and accumulation_steps >= 1):
-            raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
-        self._policy_options = dict(
-            max_grad_norm=max_grad_norm,
-            clip_mode=clip_mode,
-            grad_norm_type=grad_norm_type,
-            max_grad_value=max_grad_value,
-            grad_scaler=grad_scaler,
-            overflow=overflow,
-            nonfinite=nonfinite,
-            track_grad_norm=track_grad_norm,
-        )
-        self._policy = GradPolicy(**self._policy_options)
         self._norm_order: dict[int, int] = {}  # id(tensor) -> its place in grad_norm_order
         ddp = params if isinstance(params, nn.parallel.DistributedDataParallel) else None
         if ddp is not None:
             check_ddp(ddp)
-            if accumulation_steps > 1:
+            if options.accumulation_steps > 1:
                 raise NotImplementedError(
                     "accumulation_steps > 1 with DDP: DDP reduces in every backward. Accumulate with "
                     "`with model.no_sync():` on the micro-batches that only accumulate, and accumulation_steps=1"
                 )
         elif ddp_comm_hook is not None:
             raise ValueError("ddp_comm_hook is given but params is not a DistributedDataParallel model")
-        # The module's parameters left out as frozen: one unfrozen later would never be stepped. Weak references,
-        # so that the optimizer keeps no more of the model alive than its own parameters.
-        self._frozen = [
-            (name, weakref.ref(p)) for name, p in params.named_parameters() if not p.requires_grad
-        ] if isinstance(params, nn.Module) else []
-        # FSDP2 units, whose unsharded gradients accumulated without sync clip_mode="two_pass" must see
-        self._fsdp_units = fsdp_units(params) if isinstance(params, nn.Module) else None
-        if isinstance(params, nn.Module):
-            check_sparse_modules(params, optimizer_class)
-            params = module_params(params)
-        if isinstance(params, set):
-            raise TypeError(
-                "params must be an ordered collection (a list), got a set, whose order changes between runs and "
-                "would mismatch the state dict; pass a list"
-            )
-        if isinstance(params, torch.Tensor):
-            raise TypeError(
-                "params must be an iterable of Tensors, (name, Tensor) pairs or dicts, or an nn.Module, got a "
-                "Tensor; wrap it in a list"
-            )
-        groups = list(params)
-        if not groups:
-            raise ValueError("InBackwardOptimizer got an empty parameter list")
-        if not isinstance(groups[0], dict):
-            groups = [{"params": groups}]
-        groups = [{**g, "params": as_list(g["params"])} if isinstance(g, dict) and "params" in g else g for g in groups]
+        module = params if isinstance(params, nn.Module) else None
+        frozen = [(name, weakref.ref(p)) for name, p in module.named_parameters()
+                  if not p.requires_grad] if module is not None else []
+        edges = self._edges = TrainingStep(self, options, frozen, fsdp_units(module) if module is not None else None)
+        if module is not None:
+            check_sparse_modules(module, optimizer_class)
+            params = module_params(module)
+        groups = param_groups_of(params)
         self._optimizer_class = optimizer_class
         self._recipe = Recipe(self, optimizer_class, optimizer_kwargs)
-        self._finishing = False
-        self._bucket_step_hooks: dict[int, Callable[[InBackwardOptimizer, list[torch.Tensor]], None]] = OrderedDict()
-        self._allow_local_steps = allow_local_steps
-        # plain tensors were accepted in a single process: every backward checks that no multi-rank group has
-        # appeared since (a model wrapped in DDP afterwards would step on local gradients)
-        self._recheck_world = False
-        self._accumulation_steps = accumulation_steps
-        self._micro_batches = 0  # backwards accumulated since the last step
-        self._strict = strict
-        self._backward_steps_since_step = 0  # in-backward steps since the last step() call
-        self._warned_several_steps = False
-        self._no_step_depth = 0
         # Under DDP: parameters DDP reduces are stepped by its communication hook; the ones it ignores keep a local
         # step, as in DDP's standard loop.
-        self._ddp_param_ids = {id(p) for p in ddp.parameters()} if ddp is not None else set()
+        edges.ddp_param_ids = {id(p) for p in ddp.parameters()} if ddp is not None else set()
         reductions = DDPCommHook(ddp, ddp_comm_hook, ddp_comm_state) if ddp is not None else None
-        self._ddp_hook: DDPCommHook | None = None  # once attached to the DDP model, which keeps it
-        self._engine = Engine(
-            _EngineOwner(self),
+        self._engine = edges.engine = Engine(
+            edges,
             self._recipe,
-            sys.maxsize if math.isinf(bucket_cap_mb) else int(bucket_cap_mb * 2**20),
-            per_parameter,
+            options.cap_bytes,
+            options.per_parameter,
             reductions,
             frozenset(ddp_managed(ddp)) if ddp is not None else frozenset(),
         )
-        self._recipe.one_step = math.isinf(bucket_cap_mb) and not per_parameter and ddp is None
-        defaults = self._recipe.defaults(_first_tensor(groups), groups)
-        self._framework_watch = Watch()  # a framework that clips or accumulates after backward: refused
+        self._recipe.one_step = math.isinf(options.bucket_cap_mb) and not options.per_parameter and ddp is None
+        defaults = self._recipe.defaults(first_tensor(groups), groups)
         try:
             super().__init__(groups, defaults)
-            self._norm_order = self._norm_order_of(grad_norm_order)
+            self._norm_order = norm_order_of(grad_norm_order)
             self._rank_norms()
-            self._framework_watch.at_construction(self)
+            edges.framework_watch.at_construction(self)
             if ddp is not None or any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
                 groups = [ddp.process_group] if ddp is not None else sharding_groups(
                     [p for g in self.param_groups for p in g["params"]])
-                check_same_options(self, groups, accumulation_steps)
+                check_same_options(self, groups, optimizer_class)
             if reductions is not None:
                 reductions.attach(self._engine)
-                self._ddp_hook = reductions
-            _warn_fused_with_uneven_scale(grad_scaler, self._recipe.kernels, self.param_groups)
+                edges.ddp_hook = reductions
+            warn_fused_with_uneven_scale(options.grad_scaler, self._recipe.kernels, self.param_groups)
         except BaseException:
             self.remove()  # nothing stays attached from the groups that were accepted before the bad one
             raise
@@ -292,24 +266,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         recipe = self.__dict__.get("_recipe")
         if recipe is None or name.startswith("_"):
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
-        classes = [c for c in dict.fromkeys(recipe.classes or [recipe.optimizer_class]) if hasattr(c, name)]
-        if name in MODE_SWITCHES and all(callable(getattr(c, name)) for c in classes) and classes:
-            return functools.partial(self._switch_mode, name)
-        if classes:
-            raise AttributeError(
-                f"{classes[0].__name__}.{name} is not available on InBackwardOptimizer: it is not forwarded, since "
-                "it would act on the optimizer of one bucket (or of none) rather than on this optimizer's groups "
-                f"and state. Use {classes[0].__name__} with a standard training loop if you need it"
-            )
-        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
-
-    def _switch_mode(self, name: str) -> None:
-        if torch._C._current_graph_task_id() != -1:
-            raise RuntimeError(f"{name}() was called during a backward; call it between two steps")
-        for cls in dict.fromkeys(self._recipe.classes):
-            if callable(getattr(cls, name, None)):
-                groups = [g for c, g in zip(self._recipe.classes, self.param_groups) if c is cls]
-                switch_mode(cls, name, groups, self.state, self.defaults)
+        return forwarded_attribute(self, recipe, name)
 
     # -- groups -------------------------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -336,14 +293,14 @@ class InBackwardOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{name} appears in more than one place; each parameter may be given only once")
             known.add(id(p))
         tensors = [e[1] if isinstance(e, tuple) else e for e in entries]
-        plain = [t for t in tensors if id(t) not in self._ddp_param_ids and not is_dtensor(t)]
+        edges, options = self._edges, self._edges.options
+        plain = [t for t in tensors if id(t) not in edges.ddp_param_ids and not is_dtensor(t)]
         every = list(chain((q for g in self.param_groups for q in g["params"]), tensors))
-        check_single_process(self._allow_local_steps, plain, next_to_dtensors=any(is_dtensor(t) for t in every))
-        _check_norms_over_kinds(self._policy_options, every)
-        _check_value_clipping(self._policy_options, every)
-        if plain and not self._allow_local_steps:
-            self._recheck_world = True
-        if self._accumulation_steps > 1 and any(is_dtensor(p) for p in tensors):
+        check_single_process(options.allow_local_steps, plain, next_to_dtensors=any(is_dtensor(t) for t in every))
+        check_for_params(options, every)
+        if plain and not options.allow_local_steps:
+            edges.recheck_world = True
+        if options.accumulation_steps > 1 and any(is_dtensor(p) for p in tensors):
             raise NotImplementedError(
                 "accumulation_steps > 1 with DTensor (FSDP2) parameters: FSDP2 runs no gradient hook on the "
                 "micro-batches where it does not reduce, so they cannot be counted. Call "
@@ -373,29 +330,10 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             record_owner(p, self, handle)
         self._rank_norms()
 
-    @staticmethod
-    def _norm_order_of(tensors: Any) -> dict[int, int]:
-        """``grad_norm_order`` checked, as ``id(tensor) -> place`` (``None``: the given order)."""
-        if tensors is None:
-            return {}
-        if isinstance(tensors, nn.Module):
-            tensors = tensors.parameters()
-        if isinstance(tensors, torch.Tensor) or isinstance(tensors, (set, frozenset)):
-            raise TypeError(
-                f"grad_norm_order must be an ordered iterable of tensors (e.g. model.parameters()) or an nn.Module, "
-                f"got a {type(tensors).__name__}"
-            )
-        order: dict[int, int] = {}
-        for t in tensors:
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"grad_norm_order must hold tensors, got a {type(t).__name__}")
-            order.setdefault(id(t), len(order))
-        return order
-
     def _rank_norms(self) -> None:
         """Give the policy each stepped tensor's place in ``grad_norm_order`` (by the engine's index)."""
         index = self._engine.index_of
-        self._policy.norm_rank = {index[k]: place for k, place in self._norm_order.items() if k in index}
+        self._edges.policy.norm_rank = {index[k]: place for k, place in self._norm_order.items() if k in index}
 
     def register_bucket_step_hook(
         self, hook: Callable[[InBackwardOptimizer, list[torch.Tensor]], None]
@@ -421,8 +359,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             [1, 1]
             >>> handle.remove()
         """
-        handle = RemovableHandle(self._bucket_step_hooks)
-        self._bucket_step_hooks[handle.id] = hook
+        hooks = self._edges.bucket_step_hooks
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
         return handle
 
     def param_name(self, p: torch.Tensor) -> str:
@@ -435,19 +374,6 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         return "<unknown>"
 
     # -- the training step --------------------------------------------------------------------------------------
-    def _backward_steps(self) -> bool:
-        """Called once at the start of every backward: does this one step, or accumulate a micro-batch?"""
-        if self._recheck_world and torch.distributed.is_available() and torch.distributed.is_initialized():
-            self._check_still_single_process()
-        if self._no_step_depth:
-            self._backward_steps_since_step = 0  # accumulating knowingly: several steps per step() are meant
-            return False
-        self._micro_batches += 1
-        if self._micro_batches < self._accumulation_steps:
-            return False
-        self._micro_batches = 0
-        return True
-
     def backward(self, loss: torch.Tensor, gradient: torch.Tensor | None = None, *,
                  retain_graph: bool | None = None) -> None:
         """``loss.backward(gradient)``, and with ``clip_mode="two_pass"`` the exact global-norm clipping that keeps
@@ -484,53 +410,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             >>> model.weight.grad is None, bool(opt.last_step.clip_coef <= 1)
             (True, True)
         """
-        if torch._C._current_graph_task_id() != -1:
-            raise RuntimeError("opt.backward() was called during a backward")
-        policy = self._policy
-        ddp = self._ddp_hook
-        if (not policy.two_pass or self._no_step_depth or self._micro_batches + 1 < self._accumulation_steps
-                or (ddp is not None and not ddp.reduces())):  # only accumulates (DDP: forward under no_sync())
-            torch.autograd.backward(loss, gradient, retain_graph=retain_graph)
-            return
-        # Held in one backward, as exact clipping holds them: gradients of earlier micro-batches in .grad (or in
-        # FSDP2's unsharded gradients, after backwards without sync), which a measuring pass would consume; DDP's
-        # first iteration, which learns its buckets from one backward.
-        if ((ddp is not None and ddp.learns_buckets())
-                or any(p.grad is not None for g in self.param_groups for p in g["params"])
-                or accumulated_unsharded(self._fsdp_units or [])):
-            self._backward_in_phase("held", loss, gradient, retain_graph)
-            return
-        if self._fsdp_units is None and any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
-            raise NotImplementedError(
-                "clip_mode='two_pass' over DTensor parameters given as tensors: build the optimizer from the model "
-                "(InBackwardOptimizer(model, ...)), so that it sees the gradients FSDP2 accumulates without sync"
-            )
-        engine = self._engine
-        before = engine.backward
-        engine.measuring = True
-        try:
-            self._backward_in_phase("measure", loss, gradient, True)
-        finally:
-            engine.measuring = False
-        if engine.backward is before:
-            return  # no gradient hook ran (an FSDP2 backward without gradient sync): it only accumulated
-        if not policy.finish_measure():  # skipped, as scaler.step(opt) or nonfinite="skip" skip it
-            policy.end(self)
-            return
-        if ddp is not None:
-            ddp.expect_backward(loss)
-        self._backward_in_phase("step", loss, gradient, retain_graph)
+        self._edges.backward(loss, gradient, retain_graph)
 
-    def _backward_in_phase(self, phase: str, loss: torch.Tensor, gradient: torch.Tensor | None,
-                           retain_graph: bool | None) -> None:
-        self._policy.phase = phase
-        try:
-            torch.autograd.backward(loss, gradient, retain_graph=retain_graph)
-        finally:
-            self._policy.phase = ""
-
-    @contextlib.contextmanager
-    def no_step(self) -> Iterator[None]:
+    def no_step(self) -> contextlib.AbstractContextManager[None]:
         """Backwards inside this context only accumulate gradients into ``.grad``: nothing is stepped or freed, and
         they do not count towards ``accumulation_steps``. The first backward outside it steps on the sum, like
         DDP's ``no_sync()``.
@@ -547,11 +429,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             >>> model.weight.grad is None
             True
         """
-        self._no_step_depth += 1
-        try:
-            yield
-        finally:
-            self._no_step_depth -= 1
+        return self._edges.no_step()
 
     @property
     def step_incomplete(self) -> bool:
@@ -563,19 +441,19 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     @property
     def micro_batches(self) -> int:
         """Backwards accumulated since the last step (``0`` right after a step)."""
-        return self._micro_batches
+        return self._edges.micro_batches
 
     @property
     def last_step(self) -> StepStats:
         """Telemetry of the last training step: grad norm, tensors stepped and skipped, overflow, step time."""
-        return self._policy.stats
+        return self._edges.policy.stats
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
         """Total norm of the gradients of the last step, measured inside backward before any step or clipping
         (the value ``clip_grad_norm_`` would have returned); ``None`` unless ``track_grad_norm=True`` or a
         global-norm ``max_grad_norm`` is set."""
-        return self._policy.stats.grad_norm
+        return self._edges.policy.stats.grad_norm
 
     @property
     def buckets(self) -> tuple[tuple[torch.Tensor, ...], ...]:
@@ -591,19 +469,25 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         return tuple(self._recipe.classes)
 
     @property
+    def options(self) -> InBackwardOptions:
+        """The engine options this optimizer runs with (read-only; :meth:`configure_clipping` and
+        :meth:`set_grad_multiplier` replace it with a changed copy)."""
+        return self._edges.options
+
+    @property
     def accumulation_steps(self) -> int:
         """The configured ``accumulation_steps``: backwards per in-backward step."""
-        return self._accumulation_steps
+        return self._edges.options.accumulation_steps
 
     @property
     def max_grad_norm(self) -> float | None:
         """The configured ``max_grad_norm`` (``None``: no norm clipping); see :meth:`configure_clipping`."""
-        return self._policy_options["max_grad_norm"]
+        return self._edges.options.max_grad_norm
 
     @property
     def clip_mode(self) -> str:
         """The configured ``clip_mode``: ``"exact"``, ``"two_pass"``, ``"per_parameter"`` or ``"previous_norm"``."""
-        return self._policy_options["clip_mode"]
+        return self._edges.options.clip_mode
 
     @property
     def grad_norm_order(self) -> tuple[torch.Tensor, ...] | None:
@@ -618,12 +502,12 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     @property
     def max_grad_value(self) -> float | None:
         """The configured ``max_grad_value`` (``None``: no value clipping)."""
-        return self._policy_options["max_grad_value"]
+        return self._edges.options.max_grad_value
 
     @property
     def grad_norm_type(self) -> float:
         """The configured ``grad_norm_type``."""
-        return float(self._policy_options["grad_norm_type"])
+        return self._edges.options.grad_norm_type
 
     def configure_clipping(
         self,
@@ -633,34 +517,34 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         max_grad_value: float | None | object = _UNCHANGED,
         grad_norm_type: float | object = _UNCHANGED,
         grad_norm_order: Any = _UNCHANGED,
-    ) -> None:
+    ) -> InBackwardOptions:
         """Change the clipping options between two steps, as if they had been given at construction (a framework
         adapter sets them from the framework's own setting). Options not given keep their value; the previous
-        step's norm is kept. ``grad_norm_order=None`` goes back to the order the tensors were given in.
+        step's norm is kept. ``grad_norm_order=None`` goes back to the order the tensors were given in. Nothing
+        changes when an option is refused.
+
+        Returns:
+            The new :attr:`options`.
 
         Raises:
             ValueError: an option is out of range (as at construction).
             TypeError: ``grad_norm_order`` is not an ordered iterable of tensors or a module.
             RuntimeError: called during a backward.
         """
-        if torch._C._current_graph_task_id() != -1:
+        if internals.graph_task_id() != -1:
             raise RuntimeError("configure_clipping() was called during a backward; call it between two steps")
         changes = {
             k: v for k, v in (("max_grad_norm", max_grad_norm), ("clip_mode", clip_mode),
                               ("max_grad_value", max_grad_value), ("grad_norm_type", grad_norm_type))
             if v is not _UNCHANGED
         }
-        options = {**self._policy_options, **changes}
-        policy = GradPolicy(**options)
-        _check_norms_over_kinds(options, [p for g in self.param_groups for p in g["params"]])
-        _check_value_clipping(options, [p for g in self.param_groups for p in g["params"]])
-        if grad_norm_order is not _UNCHANGED:
-            self._norm_order = self._norm_order_of(grad_norm_order)
-        old = self._policy
-        policy.previous_norm, policy.stats = old.previous_norm, old.stats
-        self._policy_options = options
-        self._policy = policy
+        options = dataclasses.replace(self._edges.options, **changes)
+        check_for_params(options, [p for g in self.param_groups for p in g["params"]])
+        order = self._norm_order if grad_norm_order is _UNCHANGED else norm_order_of(grad_norm_order)
+        self._edges.reconfigure(options)
+        self._norm_order = order
         self._rank_norms()
+        return options
 
     def set_grad_multiplier(self, multiplier: float | torch.Tensor | None) -> None:
         """Multiply every gradient by ``multiplier`` before it is checked, clipped and stepped, from the next step
@@ -672,30 +556,18 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             ValueError: ``multiplier`` is not a finite number or a one-element floating tensor.
             RuntimeError: called during a backward.
         """
-        if torch._C._current_graph_task_id() != -1:
+        if internals.graph_task_id() != -1:
             raise RuntimeError("set_grad_multiplier() was called during a backward; call it between two steps")
-        multiplier = GradPolicy.check_multiplier(multiplier)
-        self._policy_options["grad_multiplier"] = self._policy.grad_multiplier = multiplier
+        edges = self._edges
+        edges.options = dataclasses.replace(edges.options, grad_multiplier=multiplier)
+        edges.policy.grad_multiplier = edges.options.grad_multiplier
 
     @property
     def grad_multiplier(self) -> float | torch.Tensor | None:
         """The multiplier set by :meth:`set_grad_multiplier` (``None``: none)."""
-        return self._policy_options.get("grad_multiplier")
+        return self._edges.options.grad_multiplier
 
-    def _check_still_single_process(self) -> None:
-        """Once per backward: plain tensors accepted before a process group existed must not now step locally."""
-        try:
-            plain = [
-                p for g in self.param_groups for p in g["params"] if id(p) not in self._ddp_param_ids
-                and not is_dtensor(p)
-            ]
-            check_single_process(False, plain)
-        except RuntimeError as e:
-            raise RuntimeError(
-                f"{e}. This optimizer was built before the process group existed; build it after wrapping the "
-                "model (InBackwardOptimizer(ddp_model, ...))"
-            ) from None
-
+    @internals.fires_own_step_hooks
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Finish a training step; the update itself already ran inside ``backward()``.
 
@@ -713,263 +585,52 @@ class InBackwardOptimizer(torch.optim.Optimizer):
 
         Returns:
             The closure's result, or ``None``.
+
+        Raises:
+            RuntimeError: with ``strict=True``, more than one backward ran a full step since the last call.
+            ValueError: the first call comes from a framework loop that clips or accumulates after backward, used
+                without its adapter (dist_optim.integrations), which would train differently.
+            FloatingPointError: with ``nonfinite="raise"``, a gradient stepped here is not finite.
         """
-        if self._finishing:
-            self._run_post_hooks()
-            return None
-        self._framework_watch.at_step(self)
-        self._check_steps_since_step()
-        loss = None
-        if closure is not None:
-            if self._ddp_hook is not None or adapted_framework_above(sys._getframe(1)):
-                with torch.enable_grad():
-                    loss = closure()
-            else:
-                with torch.enable_grad(), self.no_step():
-                    loss = closure()
-        if any(p.grad is not None for g in self.param_groups for p in g["params"]):
-            self._micro_batches = 0
-            # one bucket of every tensor, unscaled/checked/clipped, then stepped or skipped, as in backward
-            stepped = self._engine.step_standard(
-                [(gi, list(g["params"])) for gi, g in enumerate(self.param_groups) if g["params"]]
-            )
-            self._policy.end(self)
-            if stepped:
-                self._run_post_hooks()
-        return loss
-
-    step.hooked = True  # type: ignore[attr-defined]  # we fire step hooks ourselves, once per training step
-
-    def _check_steps_since_step(self) -> None:
-        n, self._backward_steps_since_step = self._backward_steps_since_step, 0
-        if n <= 1 or (self._warned_several_steps and not self._strict):
-            return
-        message = (
-            f"{n} backwards each ran a full optimizer step since the last step() call: this optimizer steps inside "
-            "every backward (accumulation_steps=1), so a loop that accumulates gradients "
-            f"over {n} micro-batches before calling step() made {n} optimizer steps instead of one. Pass "
-            f"accumulation_steps={n}, or run the micro-batches that only accumulate inside `with opt.no_step():`, "
-            "or use the framework's adapter in dist_optim.integrations"
-        )
-        if self._strict:
-            raise RuntimeError(f"{message} (strict=True)")
-        self._warned_several_steps = True
-        warnings.warn(f"{message}; strict=True raises this instead", UserWarning, stacklevel=3)
-
-    def _check_unowned_grads(self) -> None:
-        """Once per optimizer: a parameter of the module that no optimizer steps in backward (frozen at
-        construction, unfrozen since) got a gradient, which would grow forever."""
-        index = self._engine.index_of
-        for name, ref in self._frozen:
-            p = ref()
-            if p is not None and p.grad is not None and id(p) not in index and not is_owned(p):
-                self._frozen = []
-                warnings.warn(
-                    f"parameter {name} got a gradient but no optimizer steps it (it did not require grad when this "
-                    "optimizer was built, from the module): it is never trained and its .grad grows with every "
-                    "backward. Build the optimizer after unfreezing it, or add it with opt.add_param_group",
-                    UserWarning,
-                    stacklevel=2,
-                )
-                return
-
-    def _run_post_hooks(self) -> None:
-        for hook in chain(self._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()):
-            hook(self, (), {})
+        return self._edges.step(closure, sys._getframe(1))
 
     # -- state --------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """``optimizer_class``'s state dict format. With ``clip_mode="previous_norm"`` after a step, one more key,
         ``"in_backward"``, holds the previous step's gradient norm, which the next step clips with (torch's
         ``load_state_dict`` ignores it)."""
-        own = self._own("state_dict")
-        if own is None:
-            state_dict = super().state_dict()
-        else:  # the class's own format (bitsandbytes nests its quantised state), with this optimizer's hooks
-            for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-                pre_hook(self)
-            shell = self._shell(own)
-            state_dict = own.state_dict(shell)
-            for post_hook in self._optimizer_state_dict_post_hooks.values():
-                result = post_hook(self, state_dict)
-                state_dict = state_dict if result is None else result
-        extra = self._policy.extra_state()  # a collective for a DTensor norm: state_dict() is called on every rank
+        own = own_class(self._recipe, "state_dict")
+        # the class's own format (bitsandbytes nests its quantised state), with this optimizer's hooks
+        state_dict = super().state_dict() if own is None else class_state_dict(self, self._recipe, own)
+        extra = self._edges.policy.extra_state()  # a collective for a DTensor norm: state_dict() is called on every rank
         if extra:
             state_dict["in_backward"] = extra
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict written by this class or by ``optimizer_class`` itself (same format)."""
-        own = self._own("load_state_dict")
+        own = own_class(self._recipe, "load_state_dict")
+        loaded = {k: v for k, v in state_dict.items() if k != "in_backward"}
         if own is None:
-            super().load_state_dict({k: v for k, v in state_dict.items() if k != "in_backward"})
+            super().load_state_dict(loaded)
         else:  # the class's own load (bitsandbytes keeps uint8 codes; pytorch-optimizer restores dtypes)
-            loaded = {k: v for k, v in state_dict.items() if k != "in_backward"}
-            for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-                result = pre_hook(self, loaded)
-                loaded = loaded if result is None else result
-            shell = self._shell(own)
-            own.load_state_dict(shell, loaded)
-            self.state, self.param_groups = shell.state, shell.param_groups
-            for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-                post_hook(self)
-        self._convert_loaded_state()
+            class_load_state_dict(self, self._recipe, own, loaded)
+        convert_loaded_state(self, self._recipe)
         self._recipe.choose_kernels()
         self._engine.rebuild()
         first = next((p for g in self.param_groups for p in g["params"]), None)
         if first is not None:
-            self._policy.load_extra_state(state_dict.get("in_backward") or {}, like=first)
-
-    def _own(self, method: str) -> type[torch.optim.Optimizer] | None:
-        """The optimizer class, if this optimizer has one class and it overrides ``torch.optim``'s ``method``."""
-        classes = set(self._recipe.classes)
-        if len(classes) != 1:
-            return None
-        cls = classes.pop()
-        return cls if getattr(cls, method) is not getattr(torch.optim.Optimizer, method) else None
-
-    def _shell(self, cls: type[torch.optim.Optimizer]) -> torch.optim.Optimizer:
-        """An instance of ``cls`` built as the standard loop builds it (its own attributes), holding this
-        optimizer's live groups and state, for the class's own ``state_dict``/``load_state_dict``."""
-        with no_rng([p for g in self.param_groups for p in g["params"]]):
-            shell = cls([{**hyperparameters(g), "params": g["params"]} for g in self.param_groups],
-                        **self._recipe.kwargs_for(cls))
-        shell.state, shell.param_groups = self.state, self.param_groups
-        return shell
-
-    def _convert_loaded_state(self) -> None:
-        """Let each group's optimizer class bring loaded state and groups to its current format, as its own
-        ``__setstate__`` does in ``load_state_dict`` (older checkpoints hold ``step`` as a plain number, which the
-        kernels refuse); ours is ``Optimizer.__setstate__``, which converts nothing."""
-        for cls in dict.fromkeys(self._recipe.classes):
-            groups = [g for c, g in zip(self._recipe.classes, self.param_groups) if c is cls]
-            state = {p: self.state[p] for g in groups for p in g["params"] if p in self.state}
-            shell = cls.__new__(cls)  # the class's own conversion, run on our groups and state dicts in place
-            cls.__setstate__(shell, {"defaults": dict(self.defaults), "state": state, "param_groups": groups})
+            self._edges.policy.load_extra_state(state_dict.get("in_backward") or {}, like=first)
 
     def remove(self) -> None:
         """Detach every hook, and let the parameters go of this optimizer (until then they keep it alive, so that
         dropping the last reference to it does not stop training). The model then trains with a standard
         optimizer again, and this object behaves as one: :meth:`step` steps whatever gradients are present."""
-        if self._ddp_hook is not None:
+        if self._edges.ddp_hook is not None:
             raise NotImplementedError(
                 "cannot detach from a DistributedDataParallel model: DDP keeps its communication hook for its "
                 "lifetime. Wrap the module in a new DDP to train it with a standard optimizer"
             )
         self._engine.remove()
-        self._backward_steps_since_step = 0  # from now on step() is the step
+        self._edges.detach()
         release((p for g in getattr(self, "param_groups", []) for p in g["params"]), self)
-
-
-class _EngineOwner:
-    """The optimizer as its engine sees it (``dist_optim._engine.Owner``): the training step's edges."""
-
-    __slots__ = ("opt",)
-
-    def __init__(self, opt: InBackwardOptimizer) -> None:
-        self.opt = opt
-
-    def backward_steps(self) -> bool:
-        steps = self.opt._backward_steps()
-        if steps:
-            self.opt._framework_watch.at_backward(self.opt)
-        return steps
-
-    def grad_policy(self) -> GradPolicy:
-        return self.opt._policy
-
-    def param_name(self, p: torch.Tensor) -> str:
-        return self.opt.param_name(p)
-
-    def step_begins(self) -> None:
-        opt = self.opt
-        for hook in chain(_global_optimizer_pre_hooks.values(), opt._optimizer_step_pre_hooks.values()):
-            hook(opt, (), {})
-
-    def bucket_stepped(self, params: list[torch.Tensor]) -> None:
-        opt = self.opt
-        for hook in opt._bucket_step_hooks.values():
-            hook(opt, params)
-
-    def step_ends(self, stepped: bool) -> None:
-        opt = self.opt
-        opt._policy.end(opt)
-        opt._check_unowned_grads()
-        if stepped:
-            if opt._accumulation_steps == 1:  # with k > 1, a step() that flushes a partial window is meant
-                opt._backward_steps_since_step += 1
-            # Through the public step(), so that wrappers installed on it (LR schedulers) see the step happen.
-            opt._finishing = True
-            try:
-                opt.step()
-            finally:
-                opt._finishing = False
-
-
-def _check_value_clipping(options: dict[str, Any], params: list[torch.Tensor]) -> None:
-    """``max_grad_value`` clamps each gradient in place, which DTensor refuses on a ``Partial`` gradient (a
-    SequenceParallel norm's, under tensor parallel without FSDP2), as ``clip_grad_value_`` fails on it in the standard
-    loop: refused before anything steps, for every replicated DTensor parameter (whose gradient may be Partial; only
-    the backward would tell)."""
-    if options["max_grad_value"] is None:
-        return
-    replicated = [p for p in params if is_dtensor(p) and all(pl.is_replicate() for pl in p.placements)
-                  and p.device_mesh.size() > 1]
-    if replicated:
-        raise NotImplementedError(
-            f"max_grad_value with {len(replicated)} replicated DTensor parameters (tensor parallel without FSDP2): "
-            "a SequenceParallel norm's gradient is Partial, which DTensor cannot clamp in place "
-            "(torch.nn.utils.clip_grad_value_ fails on it too), and which ones are is known only in the middle of a "
-            "backward. Use max_grad_norm, or shard with fully_shard on top of tensor parallel (FSDP2 reduces those "
-            "gradients before the step)"
-        )
-
-
-def _check_norms_over_kinds(options: dict[str, Any], params: list[torch.Tensor]) -> None:
-    """Gradient norms over DTensors and plain tensors together (plain norms next to a tensor-parallel model, with
-    allow_local_steps) fail in DTensor's foreach norm, as ``clip_grad_norm_`` does on them: refused before anything
-    steps instead of in the middle of a backward."""
-    measures = (options["track_grad_norm"] or options["max_grad_norm"] is not None
-                or options["nonfinite"] != "ignore")
-    if not measures or not params:
-        return
-    kinds = {is_dtensor(p) for p in params}
-    if len(kinds) > 1:
-        raise NotImplementedError(
-            "gradient norms (max_grad_norm, track_grad_norm or nonfinite checks) over plain tensors next to DTensor "
-            "ones (plain parameters in a tensor-parallel model, stepped with allow_local_steps=True): DTensor's norm "
-            "refuses the mix, as torch.nn.utils.clip_grad_norm_ does. Parallelize those parameters too "
-            "(SequenceParallel for norms) so that every parameter is a DTensor"
-        )
-
-
-def _first_tensor(groups: list[Any]) -> torch.Tensor:
-    """The first tensor given (its dtype and device build the probe of the class's defaults), else an empty one."""
-    first = next((p for g in groups if isinstance(g, dict) for p in g.get("params", [])), None)
-    if isinstance(first, tuple):
-        first = first[1]
-    return first if isinstance(first, torch.Tensor) else torch.empty(0)
-
-
-def _warn_fused_with_uneven_scale(scaler: Any, kernels: list[dict[str, Any]], groups: list[dict[str, Any]]) -> None:
-    """``scaler.step(opt)`` lets a fused kernel unscale the gradients itself (``grad / scale`` inside the kernel);
-    in backward they are unscaled before the step (``grad * (1 / scale)``, as ``scaler.unscale_`` does). Both are
-    exact while the scale is a power of two, as GradScaler's defaults keep it; other factors make them differ in
-    the last bit, which is said once here rather than left silent."""
-    if scaler is None or not scaler.is_enabled():
-        return
-    factors = {"init_scale": scaler._init_scale, "growth_factor": scaler._growth_factor,
-               "backoff_factor": scaler._backoff_factor}
-    uneven = {k: v for k, v in factors.items() if math.frexp(float(v))[0] != 0.5}
-    fused = any(k.get("fused") or g.get("fused") for k, g in zip(kernels, groups))
-    if uneven and fused:
-        warnings.warn(
-            f"grad_scaler has {', '.join(f'{k}={v}' for k, v in uneven.items())}, not a power of two, and the "
-            "optimizer runs a fused kernel: scaler.step(opt) would let that kernel unscale the gradients itself, "
-            "which rounds differently from unscaling them before the step as the in-backward step does, so results "
-            "differ from scaler.step's in the last bit. Use powers of two (GradScaler's defaults), or foreach=True, "
-            "whose scaler.step unscales first too",
-            UserWarning,
-            stacklevel=3,
-        )
-

@@ -8,6 +8,7 @@ would, and refuses the schedules and options whose step could not equal ``schedu
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,8 @@ import torch
 from torch import nn
 
 from dist_optim._inputs import is_dtensor
+from dist_optim._link import engine_of
+from dist_optim._options import InBackwardOptions, engine_keywords
 from dist_optim.optimizer import InBackwardOptimizer
 
 __all__ = ["pipeline_optimizers"]
@@ -81,6 +84,11 @@ def pipeline_optimizers(
     _check_full_backward(schedule, stages)
     n = int(schedule._n_microbatches)
     scale = bool(schedule.scale_grads)
+    keywords = engine_keywords()
+    given = {k: v for k, v in kwargs.items() if k in keywords}
+    base = kwargs.get("options")
+    engine_options = InBackwardOptions(**given) if base is None else dataclasses.replace(base, **given)
+    rest = {k: v for k, v in kwargs.items() if k not in keywords and k != "options"}  # the optimizer's own
     from torch.distributed.fsdp import FSDPModule  # a schedule exists only where torch.distributed does
 
     optimizers = []
@@ -113,21 +121,20 @@ def pipeline_optimizers(
                 "PipelineStage.perform_reduce_grad step that pipeline x FSDP2 in backward is built on (torch 2.10 "
                 "and later have it); use plain stages, or a newer torch"
             )
+        # the schedule's mean over its n micro-batches, taken as it takes it (grad.div_(n))
+        options = dataclasses.replace(engine_options, grad_divisor=n if scale and n > 1 else None)
         if sharded:
             # The schedule turns FSDP2's gradient sync off in every micro-batch backward, so the sharded parameters'
             # hooks run once per schedule.step(), after the last backward, from perform_reduce_grad: each bucket
             # steps there, as its reduce-scatter lands, in a window that ends when the reduction does.
-            opt = InBackwardOptimizer(module, optimizer_class, **kwargs)
+            opt = InBackwardOptimizer(module, optimizer_class, options=options, **rest)
             _reduce_in_window(stage, opt)
         else:
             # A plain stage's parameters live on its rank alone: stepping them on the local gradient is the
             # standard loop; its hooks run in every micro-batch backward, and the last one steps.
-            options = {"allow_local_steps": True, **kwargs}
-            opt = InBackwardOptimizer(module, optimizer_class, accumulation_steps=n, **options)
-        if scale and n > 1:
-            # InBackwardOptimizer has no public divisor (only pipelining needs one): set it where
-            # set_grad_multiplier sets the multiplier, in the options a rebuilt policy (configure_clipping) reads
-            opt._policy_options["grad_divisor"] = opt._policy.grad_divisor = n
+            options = dataclasses.replace(options, accumulation_steps=n,
+                                          allow_local_steps=kwargs.get("allow_local_steps", True))
+            opt = InBackwardOptimizer(module, optimizer_class, options=options, **rest)
         opt.register_step_pre_hook(_Guard(schedule, stage, n, scale, sharded))
         optimizers.append(opt)
     return optimizers
@@ -145,15 +152,20 @@ class _ReduceWindow:
 
     def __call__(self, grad_scale_factor: int) -> None:
         opt = self.opt()
-        if opt is None or not opt._engine.handles or not self.stage.has_backward:
+        engine = None if opt is None else engine_of(_first_param(opt))
+        if engine is None or not engine.attached or not self.stage.has_backward:
             self.reduce(grad_scale_factor)
             return
         # The window must end (settling the buckets whose last gradient came, or that were being learned) before
         # the schedule's division of what is left: the stepped gradients were divided by the optimizer's divisor.
-        with opt._engine.outside_backward():
+        with engine.outside_backward():
             self.reduce(1)
         if grad_scale_factor != 1:
             self.stage.scale_grads(grad_scale_factor)  # the gradients not stepped in the window, as the schedule would
+
+
+def _first_param(opt: InBackwardOptimizer) -> torch.Tensor:
+    return next(p for g in opt.param_groups for p in g["params"])
 
 
 def _reduce_in_window(stage: Any, opt: InBackwardOptimizer) -> None:

@@ -376,7 +376,7 @@ def test_previous_norm_clipping_resumes_exactly(tmp_path, via):
     assert_same_params(ref_model, model2)
     # a standard optimizer's state dict has no previous norm: the next step is not clipped, as documented
     opt2.load_state_dict(torch.optim.AdamW(model2.parameters(), **ADAMW).state_dict())
-    assert opt2._policy.previous_norm is None
+    assert opt2._edges.policy.previous_norm is None
 
 
 # -- reliability (issue 11): concurrent writers, damaged or foreign content, a full disk -----------------------------

@@ -1,0 +1,96 @@
+"""Guards on how a backward runs: refused before anything steps where the in-backward step would go wrong.
+
+A backward nested in another (a reentrant checkpoint segment, ``autograd.backward`` from a hook) would step on
+partial gradients; compiled autograd traces the hooks away; a second backward over a retained graph would step
+again on saved tensors that predate the first step. Each is found as the backward begins, from the stack, the
+graph or torch's flags.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+__all__: list[str] = []
+
+
+def backward_frames() -> tuple[bool, list[torch.Tensor] | None]:
+    """Read once per backward from this thread's stack: whether the running backward was launched from an autograd
+    Function's backward (a reentrant checkpoint: a backward entry point called, indirectly, by
+    ``BackwardCFunction.apply``), and the tensors it started from (``None`` if not found). A backward whose
+    parameters all sit inside reentrant segments would otherwise look like one training step per segment."""
+    frame = sys._getframe(1)
+    roots = None
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_engine_run_backward" and code.co_filename.endswith(_GRAPH_PY):
+            if roots is None:
+                outputs = frame.f_locals.get("t_outputs")
+                roots = list(outputs) if isinstance(outputs, (list, tuple)) else []
+        elif roots is not None and code.co_name == "apply" and code.co_filename.endswith(_FUNCTION_PY):
+            return True, roots
+        frame = frame.f_back
+    return False, roots
+
+
+_STEPPED = "dist_optim.stepped"  # key in a graph root's node metadata: a backward through it stepped parameters
+
+TWO_PASS_MESSAGE = (
+    "clip_mode='two_pass' steps through opt.backward(loss), which runs a measuring backward and then the stepping "
+    "one; this backward was started otherwise (loss.backward()), and refused before anything was stepped. Call "
+    "opt.backward(loss) in place of loss.backward(), or choose clip_mode='exact'"
+)
+
+
+def guard_graph(roots: list[torch.Tensor] | None) -> None:
+    """A backward that steps runs through the graph of ``roots``: a later backward over the same graph (kept with
+    ``retain_graph=True``) is refused as it starts, by a pre-hook on the root's node, which lives and dies with the
+    graph. Its saved tensors predate the step, which changed the parameters in place; torch would fail with a
+    version error that does not say why, or step a second time on the same batch."""
+    root = next((t.grad_fn for t in roots or () if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+    if root is None or root.metadata.get(_STEPPED):
+        return
+    root.metadata[_STEPPED] = True
+    root.register_prehook(_refuse_stepped_graph)
+
+
+def _refuse_stepped_graph(grad_outputs: object) -> None:
+    raise RuntimeError(
+        "backward() ran again over a graph kept with retain_graph=True, after a backward through it had already "
+        "stepped the parameters in place (the optimizer steps inside backward): the graph's saved tensors predate "
+        "that step, so nothing was stepped this time. Run a new forward for each backward that steps; to measure "
+        "the global norm first and then clip and step, use clip_mode='two_pass' with opt.backward(loss)"
+    )
+
+
+def compiled_autograd_on() -> bool:
+    # Compiled autograd traces the hooks into a graph, where some never run and the end-of-backward callback is
+    # lost: parameters would silently not be stepped. Checked once per backward.
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return ca is not None and bool(ca.compiled_autograd_enabled or ca.in_compiled_autograd_region)
+
+
+def compiled_autograd_message() -> str:
+    return (
+        "compiled autograd is on (torch._dynamo.config.compiled_autograd = True, or torch._dynamo."
+        "compiled_autograd._enable): it traces the post-accumulate-grad hooks the in-backward step runs on, and "
+        "some of them never run, so parameters would silently not be stepped. Turn compiled autograd off for this "
+        "model (torch.compile without it still works: per block keeps the memory saving), or use a standard "
+        "optimizer"
+    )
+
+
+# the autograd Function of torch.utils.checkpoint(..., use_reentrant=True), whose backward runs a backward inside
+REENTRANT_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction
+_GRAPH_PY = os.path.join("autograd", "graph.py")
+_FUNCTION_PY = os.path.join("autograd", "function.py")
+
+
+def refuse_nested_backward() -> None:
+    raise RuntimeError(
+        "a backward ran inside another backward (reentrant activation checkpointing, or autograd.backward "
+        "called from a hook): parameters would be stepped on partial gradients. Use "
+        "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+    )
