@@ -159,6 +159,19 @@ def as_list(params: Any) -> list[Any]:
     return list(params)
 
 
+def checked_entries(entries: list[Any], existing: list[torch.Tensor], group_index: int) -> list[torch.Tensor]:
+    """A new group's ``params`` entries (tensors or ``(name, tensor)`` pairs) checked one by one, none given twice
+    (nor already in ``existing``); returns the tensors."""
+    known = {id(p) for p in existing}
+    for k, entry in enumerate(entries):
+        name, p = entry if isinstance(entry, tuple) else (f"param_groups[{group_index}][{k}]", entry)
+        check_tensor(p, name)
+        if id(p) in known:
+            raise ValueError(f"{name} appears in more than one place; each parameter may be given only once")
+        known.add(id(p))
+    return [e[1] if isinstance(e, tuple) else e for e in entries]
+
+
 def param_groups_of(params: Any) -> list[Any]:
     """``params`` as ``torch.optim`` takes it (tensors, ``(name, tensor)`` pairs or group dicts) as a list of
     groups, each group's ``"params"`` a list."""

@@ -26,7 +26,7 @@ from dist_optim._frameworks import Watch, adapted_framework_above
 from dist_optim._fsdp2 import accumulated_unsharded
 from dist_optim._grad_policy import GradPolicy
 from dist_optim._inputs import check_single_process, is_dtensor
-from dist_optim._options import InBackwardOptions
+from dist_optim._options import InBackwardOptions, check_for_params
 from dist_optim._owners import is_owned
 
 if TYPE_CHECKING:
@@ -64,6 +64,24 @@ class TrainingStep:
         self.finishing = False  # inside the step() that the end of a stepping backward calls
 
     # -- options ------------------------------------------------------------------------------------------------
+    def admit(self, tensors: list[torch.Tensor], existing: list[torch.Tensor]) -> None:
+        """Check a new group's ``tensors`` (beside the ``existing`` ones) against the job they train in: plain
+        tensors in a multi-rank job, the options over these kinds of tensors, accumulation over DTensors."""
+        options = self.options
+        plain = [t for t in tensors if id(t) not in self.ddp_param_ids and not is_dtensor(t)]
+        every = [*existing, *tensors]
+        check_single_process(options.allow_local_steps, plain, next_to_dtensors=any(is_dtensor(t) for t in every))
+        check_for_params(options, every)
+        if options.accumulation_steps > 1 and any(is_dtensor(p) for p in tensors):
+            raise NotImplementedError(
+                "accumulation_steps > 1 with DTensor (FSDP2) parameters: FSDP2 runs no gradient hook on the "
+                "micro-batches where it does not reduce, so they cannot be counted. Call "
+                "model.set_requires_gradient_sync(False) before the backwards that only accumulate and True before "
+                "the last one, with accumulation_steps=1 (or use opt.no_step(), which keeps reducing)"
+            )
+        if plain and not options.allow_local_steps:
+            self.recheck_world = True
+
     def reconfigure(self, options: InBackwardOptions) -> None:
         """Take new options between two steps: a new policy, which keeps the previous step's norm and stats."""
         policy, old = GradPolicy(options), self.policy

@@ -8,12 +8,10 @@ the gradients of a bucket are ready, and those gradients are freed at once.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import sys
 import weakref
 from collections.abc import Callable
-from itertools import chain
 from typing import Any
 
 import torch
@@ -32,14 +30,12 @@ from dist_optim._ddp import DDPCommHook, check_ddp, ddp_managed
 from dist_optim._engine import Engine
 from dist_optim._fingerprint import check_same_options, sharding_groups
 from dist_optim._fsdp2 import fsdp_units
-from dist_optim._grad_policy import StepStats
 from dist_optim._guards import compiled_autograd_message
 from dist_optim._inputs import (
     as_list,
     check_optimizer_class,
-    check_single_process,
     check_sparse_modules,
-    check_tensor,
+    checked_entries,
     first_tensor,
     is_dtensor,
     module_params,
@@ -47,18 +43,18 @@ from dist_optim._inputs import (
     param_groups_of,
     warn_fused_with_uneven_scale,
 )
-from dist_optim._options import DEFAULT_BUCKET_CAP_MB, InBackwardOptions, check_for_params, options_from
+from dist_optim._optimizer_views import OptionsAndTelemetry
+from dist_optim._options import DEFAULT_BUCKET_CAP_MB, InBackwardOptions, options_from
 from dist_optim._owners import check_unowned, record_owner, release
 from dist_optim._stepper import Recipe
 from dist_optim._training_step import TrainingStep
 
 __all__: list[str] = []
 
-_UNCHANGED = object()
 _NOT_GIVEN: Any = object()  # params and optimizer_class are required; a clear error says so
 
 
-class InBackwardOptimizer(torch.optim.Optimizer):
+class InBackwardOptimizer(OptionsAndTelemetry, torch.optim.Optimizer):
     r"""Run ``optimizer_class``'s step inside ``backward()``, bucket by bucket, and free each gradient at once.
 
     Each parameter's gradient, once accumulated, joins a bucket; when the last gradient of a bucket arrives, the
@@ -285,28 +281,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         entries = as_list(group["params"])
         if not entries:
             raise ValueError(f"param group {len(self.param_groups)} has an empty 'params' list")
-        known = {id(p) for g in self.param_groups for p in g["params"]}
-        for k, entry in enumerate(entries):
-            name, p = entry if isinstance(entry, tuple) else (f"param_groups[{len(self.param_groups)}][{k}]", entry)
-            check_tensor(p, name)
-            if id(p) in known:
-                raise ValueError(f"{name} appears in more than one place; each parameter may be given only once")
-            known.add(id(p))
-        tensors = [e[1] if isinstance(e, tuple) else e for e in entries]
-        edges, options = self._edges, self._edges.options
-        plain = [t for t in tensors if id(t) not in edges.ddp_param_ids and not is_dtensor(t)]
-        every = list(chain((q for g in self.param_groups for q in g["params"]), tensors))
-        check_single_process(options.allow_local_steps, plain, next_to_dtensors=any(is_dtensor(t) for t in every))
-        check_for_params(options, every)
-        if plain and not options.allow_local_steps:
-            edges.recheck_world = True
-        if options.accumulation_steps > 1 and any(is_dtensor(p) for p in tensors):
-            raise NotImplementedError(
-                "accumulation_steps > 1 with DTensor (FSDP2) parameters: FSDP2 runs no gradient hook on the "
-                "micro-batches where it does not reduce, so they cannot be counted. Call "
-                "model.set_requires_gradient_sync(False) before the backwards that only accumulate and True before "
-                "the last one, with accumulation_steps=1 (or use opt.no_step(), which keeps reducing)"
-            )
+        existing = [p for g in self.param_groups for p in g["params"]]
+        tensors = checked_entries(entries, existing, len(self.param_groups))
+        self._edges.admit(tensors, existing)
         group["params"] = entries
         # The class fills its own defaults and checks its options (and the tensors) now, not at the first backward.
         probe = self._recipe.fill(cls, group)
@@ -329,11 +306,6 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         for p, handle in zip(filled["params"], handles):
             record_owner(p, self, handle)
         self._rank_norms()
-
-    def _rank_norms(self) -> None:
-        """Give the policy each stepped tensor's place in ``grad_norm_order`` (by the engine's index)."""
-        index = self._engine.index_of
-        self._edges.policy.norm_rank = {index[k]: place for k, place in self._norm_order.items() if k in index}
 
     def register_bucket_step_hook(
         self, hook: Callable[[InBackwardOptimizer, list[torch.Tensor]], None]
@@ -430,142 +402,6 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             True
         """
         return self._edges.no_step()
-
-    @property
-    def step_incomplete(self) -> bool:
-        """Whether a training step is half-applied: ``True`` from the first bucket stepped in a backward until
-        that backward's end completes, and still ``True`` after a backward that raised (or was interrupted) in
-        between, when some tensors were stepped on the batch and others not. Read-only."""
-        return self._engine.incomplete
-
-    @property
-    def micro_batches(self) -> int:
-        """Backwards accumulated since the last step (``0`` right after a step)."""
-        return self._edges.micro_batches
-
-    @property
-    def last_step(self) -> StepStats:
-        """Telemetry of the last training step: grad norm, tensors stepped and skipped, overflow, step time."""
-        return self._edges.policy.stats
-
-    @property
-    def grad_norm(self) -> torch.Tensor | None:
-        """Total norm of the gradients of the last step, measured inside backward before any step or clipping
-        (the value ``clip_grad_norm_`` would have returned); ``None`` unless ``track_grad_norm=True`` or a
-        global-norm ``max_grad_norm`` is set."""
-        return self._edges.policy.stats.grad_norm
-
-    @property
-    def buckets(self) -> tuple[tuple[torch.Tensor, ...], ...]:
-        """The buckets formed so far, each the tuple of its parameters (read-only). Buckets are learned during the
-        first backward that steps, in the order gradients arrive; under DDP they are DDP's buckets."""
-        engine = self._engine
-        return tuple(tuple(b.params) for b in (*engine.buckets, *engine.comm_buckets.values()))
-
-    @property
-    def optimizer_classes(self) -> tuple[type[torch.optim.Optimizer], ...]:
-        """The optimizer class that steps each param group (``optimizer_class`` unless the group carried its own
-        ``"optimizer_class"``), in ``param_groups`` order; checkpoints record it."""
-        return tuple(self._recipe.classes)
-
-    @property
-    def options(self) -> InBackwardOptions:
-        """The engine options this optimizer runs with (read-only; :meth:`configure_clipping` and
-        :meth:`set_grad_multiplier` replace it with a changed copy)."""
-        return self._edges.options
-
-    @property
-    def accumulation_steps(self) -> int:
-        """The configured ``accumulation_steps``: backwards per in-backward step."""
-        return self._edges.options.accumulation_steps
-
-    @property
-    def max_grad_norm(self) -> float | None:
-        """The configured ``max_grad_norm`` (``None``: no norm clipping); see :meth:`configure_clipping`."""
-        return self._edges.options.max_grad_norm
-
-    @property
-    def clip_mode(self) -> str:
-        """The configured ``clip_mode``: ``"exact"``, ``"two_pass"``, ``"per_parameter"`` or ``"previous_norm"``."""
-        return self._edges.options.clip_mode
-
-    @property
-    def grad_norm_order(self) -> tuple[torch.Tensor, ...] | None:
-        """This optimizer's tensors in the order the global norm combines their norms, when ``grad_norm_order`` was
-        given (``None``: the order they were given in); see :meth:`configure_clipping`."""
-        if not self._norm_order:
-            return None
-        tensors = [p for g in self.param_groups for p in g["params"]]
-        last = len(self._norm_order)
-        return tuple(sorted(tensors, key=lambda p: self._norm_order.get(id(p), last)))
-
-    @property
-    def max_grad_value(self) -> float | None:
-        """The configured ``max_grad_value`` (``None``: no value clipping)."""
-        return self._edges.options.max_grad_value
-
-    @property
-    def grad_norm_type(self) -> float:
-        """The configured ``grad_norm_type``."""
-        return self._edges.options.grad_norm_type
-
-    def configure_clipping(
-        self,
-        *,
-        max_grad_norm: float | None | object = _UNCHANGED,
-        clip_mode: str | object = _UNCHANGED,
-        max_grad_value: float | None | object = _UNCHANGED,
-        grad_norm_type: float | object = _UNCHANGED,
-        grad_norm_order: Any = _UNCHANGED,
-    ) -> InBackwardOptions:
-        """Change the clipping options between two steps, as if they had been given at construction (a framework
-        adapter sets them from the framework's own setting). Options not given keep their value; the previous
-        step's norm is kept. ``grad_norm_order=None`` goes back to the order the tensors were given in. Nothing
-        changes when an option is refused.
-
-        Returns:
-            The new :attr:`options`.
-
-        Raises:
-            ValueError: an option is out of range (as at construction).
-            TypeError: ``grad_norm_order`` is not an ordered iterable of tensors or a module.
-            RuntimeError: called during a backward.
-        """
-        if internals.graph_task_id() != -1:
-            raise RuntimeError("configure_clipping() was called during a backward; call it between two steps")
-        changes = {
-            k: v for k, v in (("max_grad_norm", max_grad_norm), ("clip_mode", clip_mode),
-                              ("max_grad_value", max_grad_value), ("grad_norm_type", grad_norm_type))
-            if v is not _UNCHANGED
-        }
-        options = dataclasses.replace(self._edges.options, **changes)
-        check_for_params(options, [p for g in self.param_groups for p in g["params"]])
-        order = self._norm_order if grad_norm_order is _UNCHANGED else norm_order_of(grad_norm_order)
-        self._edges.reconfigure(options)
-        self._norm_order = order
-        self._rank_norms()
-        return options
-
-    def set_grad_multiplier(self, multiplier: float | torch.Tensor | None) -> None:
-        """Multiply every gradient by ``multiplier`` before it is checked, clipped and stepped, from the next step
-        on until set again (``None``: no scaling). It is what a loop that sums ``loss * num_tokens`` and then
-        scales the gradients by ``1 / num_tokens`` before clipping does (torchtune's recipes); set it any time
-        before the backward that steps, e.g. once the window's token count is known.
-
-        Raises:
-            ValueError: ``multiplier`` is not a finite number or a one-element floating tensor.
-            RuntimeError: called during a backward.
-        """
-        if internals.graph_task_id() != -1:
-            raise RuntimeError("set_grad_multiplier() was called during a backward; call it between two steps")
-        edges = self._edges
-        edges.options = dataclasses.replace(edges.options, grad_multiplier=multiplier)
-        edges.policy.grad_multiplier = edges.options.grad_multiplier
-
-    @property
-    def grad_multiplier(self) -> float | torch.Tensor | None:
-        """The multiplier set by :meth:`set_grad_multiplier` (``None``: none)."""
-        return self._edges.options.grad_multiplier
 
     @internals.fires_own_step_hooks
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
