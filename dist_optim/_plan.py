@@ -157,7 +157,7 @@ class Job:
 
             self.opt: torch.optim.Optimizer = InBackwardOptimizer(model, optimizer_class, **engine_options,
                                                                   **optimizer_kwargs)
-            kernels = self.opt._recipe.kernels
+            kernels = self.opt.kernels
             groups = self.opt.param_groups
             self.kernel = ("fused" if any(k.get("fused") or g.get("fused") for k, g in zip(kernels, groups)) else
                            "foreach" if any(k.get("foreach") or g.get("foreach") for k, g in zip(kernels, groups))
