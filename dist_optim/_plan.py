@@ -224,11 +224,8 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
                 loss_fn: Callable[[nn.Module, Any], torch.Tensor], optimizer_class: type[torch.optim.Optimizer],
                 optimizer_kwargs: dict[str, Any], engine_options: dict[str, Any],
                 autocast_dtype: torch.dtype | None) -> tuple[LoopPlan, int]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from torch.utils._pytree import tree_leaves
-
     from dist_optim._memory_trace import MemoryTrace
+    from dist_optim._torch_internals import FakeTensorMode, tree_leaves
 
     micro = engine_options.get("accumulation_steps", 1)
     with FakeTensorMode(), warnings.catch_warnings():
