@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dist_optim._engine import Engine
+from dist_optim._torch_internals import ddp_rebuilt_buckets, has_local_used_map, local_used_map, skip_grad_writeback
 
 __all__: list[str] = []
 
@@ -52,7 +53,7 @@ def reducer_indices(ddp: nn.parallel.DistributedDataParallel) -> dict[int, int]:
 
 
 def check_ddp(ddp: nn.parallel.DistributedDataParallel) -> None:
-    if (ddp.find_unused_parameters or ddp.static_graph) and not hasattr(ddp.reducer, "_get_local_used_map"):
+    if (ddp.find_unused_parameters or ddp.static_graph) and not has_local_used_map(ddp.reducer):
         raise NotImplementedError(
             f"this torch ({torch.__version__}) has no DDP reducer._get_local_used_map, which tells which parameters "
             "were unused on every rank (find_unused_parameters=True, static_graph=True). Use a torch with it, or a "
@@ -90,7 +91,7 @@ class DDPCommHook:
         assert ddp is not None and self.engine is None
         self.engine = engine
         ddp.register_comm_hook(self, DDPCommHook.hook)
-        ddp.reducer._set_optimizer_in_backward()  # otherwise DDP re-creates every .grad at the end of backward
+        skip_grad_writeback(ddp.reducer)  # otherwise DDP re-creates every .grad at the end of backward
 
     @staticmethod
     def hook(self, bucket):  # unannotated: DDP checks a hook's annotations against real classes, not strings
@@ -151,7 +152,7 @@ class DDPCommHook:
             return False
         ddp = self.ddp()
         assert ddp is not None, "a DDP model whose hook ran was garbage-collected during its backward"
-        used = ddp.reducer._get_local_used_map().tolist()  # summed over ranks by DDP's finalize
+        used = local_used_map(ddp.reducer).tolist()  # summed over ranks by DDP's finalize
         assert len(used) == len(self.index), f"DDP reduces {len(used)} parameters, the hook knows {len(self.index)}"
         deferred, self.deferred, self.requeued = self.deferred, [], False
         for r in deferred:
@@ -176,7 +177,7 @@ class DDPCommHook:
                 "clip_mode='two_pass' with DDP(static_graph=True): a static graph runs one backward per forward, "
                 "and two_pass runs two. Use static_graph=False, or clip_mode='exact'"
             )
-        return not ddp.find_unused_parameters and not getattr(ddp, "_has_rebuilt_buckets", False)
+        return not ddp.find_unused_parameters and not ddp_rebuilt_buckets(ddp)
 
     def reduces(self) -> bool:
         """Whether DDP reduces the coming backward: its last forward ran outside ``no_sync()``."""

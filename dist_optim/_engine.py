@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -22,7 +21,6 @@ from dist_optim._guards import (
     TWO_PASS_MESSAGE,
     backward_frames,
     compiled_autograd_message,
-    compiled_autograd_on,
     guard_graph,
     refuse_nested_backward,
 )
@@ -30,11 +28,11 @@ from dist_optim._inputs import is_dtensor
 from dist_optim._learning import Learner
 from dist_optim._link import LINK, Link, engine_of, grad_accumulated
 from dist_optim._stepper import InnerOptimizer, Recipe, step_inner_optimizers
+from dist_optim._torch_internals import POST_ACCUMULATE_GRAD_HOOKS, compiled_autograd_on
+from dist_optim._torch_internals import graph_task_id as _task_id
+from dist_optim._torch_internals import queue_callback as _queue_callback
 
 __all__: list[str] = []
-
-_task_id: Callable[[], int] = torch._C._current_graph_task_id
-_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
 class Owner(Protocol):
@@ -170,11 +168,11 @@ class Engine:
     def check_later_hooks(self, i: int, bw: Backward) -> None:
         """Parameter ``i``'s gradient completes a bucket inside its own hook: a post-accumulate-grad hook registered
         after ours runs once the bucket is stepped and its gradients freed, and finds ``.grad`` ``None``. Said once,
-        naming the parameter, before that hook runs. (torch keeps a tensor's hooks in ``_post_accumulate_grad_hooks``
-        in registration order; a torch without it is caught by the test of this warning.)"""
+        naming the parameter, before that hook runs. (torch keeps a tensor's hooks in registration order, in the
+        attribute ``POST_ACCUMULATE_GRAD_HOOKS`` names; a torch without it is caught by the test of this warning.)"""
         if self.warned_later_hooks or (bw.policy is not None and bw.policy.hold):
             return  # said once; or held until backward ends (exact clipping): the later hook still sees the gradient
-        hooks = getattr(self.params[i], "_post_accumulate_grad_hooks", None)
+        hooks = getattr(self.params[i], POST_ACCUMULATE_GRAD_HOOKS, None)
         mine = self.hook_ids[i]
         if not hooks or mine is None or next(reversed(hooks)) == mine:
             return

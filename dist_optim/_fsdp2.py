@@ -13,6 +13,8 @@ from typing import Any
 
 from torch import nn
 
+from dist_optim._torch_internals import UNSHARDED_PARAM, fsdp_param_groups
+
 __all__: list[str] = []
 
 
@@ -32,10 +34,10 @@ def accumulated_unsharded(units: list[weakref.ref]) -> bool:
         if unit is None:
             continue
         try:
-            groups = unit._get_fsdp_state()._fsdp_param_groups
+            groups = fsdp_param_groups(unit)
             for group in groups:
                 for fp in group.fsdp_params:
-                    unsharded = getattr(fp, "_unsharded_param", None)  # created at the first all-gather
+                    unsharded = getattr(fp, UNSHARDED_PARAM, None)  # created at the first all-gather
                     if fp.unsharded_accumulated_grad is not None or (unsharded is not None and
                                                                      unsharded.grad is not None):
                         return True

@@ -16,11 +16,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import is_fake  # the planner's fake tensors have no values to compare
-from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype  # clip_grad_norm_'s own grouping
 
 from dist_optim._inputs import is_dtensor
 from dist_optim._options import InBackwardOptions
+from dist_optim._torch_internals import (
+    amp_unscale_,
+    foreach_norm,
+    group_tensors_by_device_and_dtype,
+    is_fake,
+    mark_unscaled,
+    scaler_scale,
+)
 
 __all__: list[str] = []
 
@@ -107,7 +113,7 @@ class GradPolicy:
         self._norms.clear()
         self._found_inf = None
         if self.scaler is not None:
-            scale = self.scaler._scale  # set by scaler.scale(loss), which ran before this backward
+            scale = scaler_scale(self.scaler)  # set by scaler.scale(loss), which ran before this backward
             if scale is None:
                 raise RuntimeError("grad_scaler is set but scaler.scale(loss) was not used for this backward")
             self._inv_scale = scale.double().reciprocal().float()
@@ -126,7 +132,7 @@ class GradPolicy:
         if self.scaler is not None:
             found = torch.zeros_like(self._found_inf)
             for device_grads, inv in _by_device(grads, self._inv_scale):
-                torch._amp_foreach_non_finite_check_and_unscale_(device_grads, found, inv)
+                amp_unscale_(device_grads, found, inv)
             self._found_inf.add_(found)  # the scaler only needs "any"
             if self.overflow_mode == "per_bucket" and found.item():
                 ok = False
@@ -205,7 +211,7 @@ class GradPolicy:
         order = sorted(self._norms, key=lambda i: (self.norm_rank.get(i, last), i))
         norms = [self._norms[i] for i in order]
         first = norms[0].device
-        grouped = _group_tensors_by_device_and_dtype([norms], with_indices=True)
+        grouped = group_tensors_by_device_and_dtype([norms], with_indices=True)
         combined = [norms[k] for _, (_, positions) in grouped.items() for k in positions]
         return torch.linalg.vector_norm(torch.stack([n.to(first) for n in combined]), self.norm_type)
 
@@ -265,10 +271,10 @@ def per_tensor_norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.
     device and dtype (on CUDA a list of mixed dtypes would take another kernel)."""
     first = grads[0]
     if all(g.device == first.device and g.dtype == first.dtype for g in grads):
-        return list(torch._foreach_norm(grads, norm_type))
+        return list(foreach_norm(grads, norm_type))
     norms: list[torch.Tensor | None] = [None] * len(grads)
-    for ([kind], positions) in _group_tensors_by_device_and_dtype([grads], with_indices=True).values():
-        for k, n in zip(positions, torch._foreach_norm(kind, norm_type)):
+    for ([kind], positions) in group_tensors_by_device_and_dtype([grads], with_indices=True).values():
+        for k, n in zip(positions, foreach_norm(kind, norm_type)):
             norms[k] = n
     return norms  # type: ignore[return-value]
 
@@ -296,9 +302,5 @@ def _record_for_scaler(scaler: torch.amp.GradScaler, optimizer: torch.optim.Opti
     """Leave the scaler as ``scaler.unscale_(optimizer)`` would: ``scaler.update()`` backs off or grows from this
     step's overflow, and a loop that still calls ``scaler.step(optimizer)`` keeps working. GradScaler has no public
     way to report an inf check made elsewhere, hence its per-optimizer record."""
-    from torch.amp.grad_scaler import OptState
-
-    state = scaler._per_optimizer_states[id(optimizer)]
-    state["found_inf_per_device"] = {found_inf.device: found_inf}
-    state["stage"] = OptState.UNSCALED
+    mark_unscaled(scaler, optimizer, found_inf)
 

@@ -8,10 +8,11 @@ graph or torch's flags.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
+
+from dist_optim._torch_internals import BACKWARD_FUNCTION_APPLY, COMPILED_AUTOGRAD_SWITCHES, ENGINE_RUN_BACKWARD
 
 __all__: list[str] = []
 
@@ -25,11 +26,11 @@ def backward_frames() -> tuple[bool, list[torch.Tensor] | None]:
     roots = None
     while frame is not None:
         code = frame.f_code
-        if code.co_name == "_engine_run_backward" and code.co_filename.endswith(_GRAPH_PY):
+        if code.co_name == _RUN_BACKWARD and code.co_filename.endswith(_GRAPH_PY):
             if roots is None:
-                outputs = frame.f_locals.get("t_outputs")
+                outputs = frame.f_locals.get(_ROOTS)
                 roots = list(outputs) if isinstance(outputs, (list, tuple)) else []
-        elif roots is not None and code.co_name == "apply" and code.co_filename.endswith(_FUNCTION_PY):
+        elif roots is not None and code.co_name == _APPLY and code.co_filename.endswith(_FUNCTION_PY):
             return True, roots
         frame = frame.f_back
     return False, roots
@@ -65,17 +66,13 @@ def _refuse_stepped_graph(grad_outputs: object) -> None:
     )
 
 
-def compiled_autograd_on() -> bool:
-    # Compiled autograd traces the hooks into a graph, where some never run and the end-of-backward callback is
-    # lost: parameters would silently not be stepped. Checked once per backward.
-    ca = sys.modules.get("torch._dynamo.compiled_autograd")
-    return ca is not None and bool(ca.compiled_autograd_enabled or ca.in_compiled_autograd_region)
-
-
 def compiled_autograd_message() -> str:
+    # Compiled autograd traces the hooks into a graph, where some never run and the end-of-backward callback is
+    # lost: parameters would silently not be stepped. Checked once per backward (_torch_internals.compiled_autograd_on)
+    # and at construction.
     return (
-        "compiled autograd is on (torch._dynamo.config.compiled_autograd = True, or torch._dynamo."
-        "compiled_autograd._enable): it traces the post-accumulate-grad hooks the in-backward step runs on, and "
+        f"compiled autograd is on ({COMPILED_AUTOGRAD_SWITCHES[0]}, or {COMPILED_AUTOGRAD_SWITCHES[1]}): it traces "
+        "the post-accumulate-grad hooks the in-backward step runs on, and "
         "some of them never run, so parameters would silently not be stepped. Turn compiled autograd off for this "
         "model (torch.compile without it still works: per block keeps the memory saving), or use a standard "
         "optimizer"
@@ -84,8 +81,8 @@ def compiled_autograd_message() -> str:
 
 # the autograd Function of torch.utils.checkpoint(..., use_reentrant=True), whose backward runs a backward inside
 REENTRANT_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction
-_GRAPH_PY = os.path.join("autograd", "graph.py")
-_FUNCTION_PY = os.path.join("autograd", "function.py")
+_RUN_BACKWARD, _GRAPH_PY, _ROOTS = ENGINE_RUN_BACKWARD
+_APPLY, _FUNCTION_PY = BACKWARD_FUNCTION_APPLY
 
 
 def refuse_nested_backward() -> None:

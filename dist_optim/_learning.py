@@ -17,6 +17,7 @@ import torch
 from dist_optim._buckets import Backward
 from dist_optim._guards import REENTRANT_CHECKPOINT
 from dist_optim._inputs import is_dtensor
+from dist_optim._torch_internals import FORWARD_CLS
 
 if TYPE_CHECKING:
     from dist_optim._engine import Engine
@@ -94,7 +95,7 @@ class Learner:
             if id(node) in seen:
                 continue
             seen.add(id(node))
-            if getattr(node, "_forward_cls", None) is REENTRANT_CHECKPOINT:
+            if getattr(node, FORWARD_CLS, None) is REENTRANT_CHECKPOINT:
                 return True
             for nxt, _ in node.next_functions:
                 if nxt is None:

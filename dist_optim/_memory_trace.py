@@ -12,20 +12,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_iter
 from torch.utils.weak import WeakIdKeyDictionary
+
+from dist_optim._torch_internals import TorchDispatchMode, tree_iter
 
 __all__: list[str] = []
 
-# The torch privates the planner needs, each with what it is for (tests/test_plan.py fails by name if one moves):
-TORCH_PRIVATES = {
-    "torch._subclasses.fake_tensor.FakeTensorMode": "tensors with shapes and no data (public: none yet)",
-    "torch._subclasses.fake_tensor.is_fake": "the engine skips a value comparison on fake tensors",
-    "torch.utils._python_dispatch.TorchDispatchMode": "every operator's outputs, as they are made",
-    "torch.utils._pytree.tree_iter": "the tensors among an operator's outputs",
-    "torch.utils._pytree.tree_leaves": "the tensors of a batch",
-}
 _CUDA_BLOCK = 512  # bytes: the CUDA caching allocator rounds every request up to a multiple of this
 
 

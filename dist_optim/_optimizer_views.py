@@ -81,6 +81,13 @@ class OptionsAndTelemetry:
         return tuple(self._recipe.classes)
 
     @property
+    def kernels(self) -> tuple[dict[str, bool], ...]:
+        """The kernel flag chosen for each param group that left both ``fused`` and ``foreach`` unset
+        (``{"fused": True}`` or ``{"foreach": True}``; ``{}``: the group's own flags, or the class's default), in
+        ``param_groups`` order (read-only copies)."""
+        return tuple(dict(k) for k in self._recipe.kernels)
+
+    @property
     def options(self) -> InBackwardOptions:
         """The engine options this optimizer runs with (read-only; :meth:`configure_clipping` and
         :meth:`set_grad_multiplier` replace it with a changed copy)."""

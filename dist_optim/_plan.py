@@ -157,7 +157,7 @@ class Job:
 
             self.opt: torch.optim.Optimizer = InBackwardOptimizer(model, optimizer_class, **engine_options,
                                                                   **optimizer_kwargs)
-            kernels = self.opt._recipe.kernels
+            kernels = self.opt.kernels
             groups = self.opt.param_groups
             self.kernel = ("fused" if any(k.get("fused") or g.get("fused") for k, g in zip(kernels, groups)) else
                            "foreach" if any(k.get("foreach") or g.get("foreach") for k, g in zip(kernels, groups))
@@ -224,11 +224,8 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
                 loss_fn: Callable[[nn.Module, Any], torch.Tensor], optimizer_class: type[torch.optim.Optimizer],
                 optimizer_kwargs: dict[str, Any], engine_options: dict[str, Any],
                 autocast_dtype: torch.dtype | None) -> tuple[LoopPlan, int]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from torch.utils._pytree import tree_leaves
-
     from dist_optim._memory_trace import MemoryTrace
+    from dist_optim._torch_internals import FakeTensorMode, tree_leaves
 
     micro = engine_options.get("accumulation_steps", 1)
     with FakeTensorMode(), warnings.catch_warnings():

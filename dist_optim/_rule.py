@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from dist_optim._inputs import is_dtensor
+from dist_optim._torch_internals import LR_SCHEDULER_STEP_MARK
 
 __all__: list[str] = []
 
@@ -194,7 +195,7 @@ def _compare(cls: type[torch.optim.Optimizer], group: dict[str, Any], kwargs: di
     return None
 
 
-_TORCH_ATTRIBUTES = frozenset(torch.optim.SGD([torch.zeros(1, requires_grad=True)]).__dict__) | {"_opt_called"}
+_TORCH_ATTRIBUTES = frozenset(torch.optim.SGD([torch.zeros(1, requires_grad=True)]).__dict__) | {LR_SCHEDULER_STEP_MARK}
 
 
 def _attributes(opt: torch.optim.Optimizer) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from dist_optim._inputs import check_optimizer_class, check_tensor, is_dtensor
 from dist_optim._owners import check_unowned, record_owner
+from dist_optim._torch_internals import FSDP_FLATTENED, flat_parameter_class
 
 __all__: list[str] = []
 
@@ -66,14 +67,13 @@ def _world(p: torch.Tensor) -> int:
 
 def _fsdp1_original(p: torch.Tensor) -> bool:
     """An original parameter of an FSDP1 ``FullyShardedDataParallel(use_orig_params=True)`` module: FSDP1 marks the
-    parameters it flattens with ``_fsdp_flattened`` (torch's ``FSDP_FLATTENED``; a torch that stops doing so is
-    caught by tests/test_seed_pair_dist.py, whose wrap-then-attach case is then refused). The ``FlatParameter``
-    itself (``use_orig_params=False``) is not one: torch refuses optimizers in backward on it."""
-    if not getattr(p, "_fsdp_flattened", False):
+    parameters it flattens (torch's ``FSDP_FLATTENED``; a torch that stops doing so is caught by
+    tests/test_torch_internals.py, and by tests/test_seed_pair_dist.py, whose wrap-then-attach case is then
+    refused). The ``FlatParameter`` itself (``use_orig_params=False``) is not one: torch refuses optimizers in
+    backward on it."""
+    if not getattr(p, FSDP_FLATTENED, False):
         return False
-    from torch.distributed.fsdp._flat_param import FlatParameter
-
-    return not isinstance(p, FlatParameter)
+    return not isinstance(p, flat_parameter_class())
 
 
 def _ddp_can_take_over() -> bool:

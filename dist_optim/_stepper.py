@@ -20,6 +20,14 @@ import torch
 
 from dist_optim._inputs import is_dtensor
 from dist_optim._rule import check_bucketable, is_torch_step, no_rng
+from dist_optim._torch_internals import (
+    LOCAL_TENSOR,
+    foreach_add_,
+    fused_adam_,
+    fused_adamw_,
+    local_tensor,
+    unwrap_profiled_step,
+)
 
 __all__: list[str] = []
 
@@ -39,10 +47,7 @@ def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
 def unwrapped_step(optimizer_class: type[torch.optim.Optimizer]) -> Callable[..., Any]:
     """``optimizer_class.step`` without torch's profiling wrapper, whose global step hooks must fire once per
     training step with the facade as argument, never once per bucket with an inner optimizer."""
-    step = optimizer_class.step
-    if getattr(step, "hooked", False):
-        return step.__wrapped__  # type: ignore[attr-defined]
-    return step
+    return unwrap_profiled_step(optimizer_class.step)
 
 
 class GroupLink(NamedTuple):
@@ -256,13 +261,13 @@ class FusedAdamStep:
                 return self.step(opt)  # the first step creates the state; sparse gradients: torch's error
             maxes = [s["max_exp_avg_sq"] for s in states] if g["amsgrad"] else []
             calls.append((g, params, states, maxes, beta1, beta2))
-        kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+        kernel = fused_adamw_ if self.decoupled else fused_adam_
         with torch.no_grad():
             for g, params, states, maxes, beta1, beta2 in calls:
                 if not params:
                     continue
                 steps = [s["step"] for s in states]
-                torch._foreach_add_(steps, 1)
+                foreach_add_(steps, 1)
                 kernel(params, [p.grad for p in params], [s["exp_avg"] for s in states],
                        [s["exp_avg_sq"] for s in states], maxes, steps, amsgrad=g["amsgrad"], lr=g["lr"],
                        beta1=beta1, beta2=beta2, weight_decay=g["weight_decay"], eps=g["eps"],
@@ -328,7 +333,7 @@ def _probe_like(p: torch.Tensor) -> torch.Tensor:
 def can_step_locally(cls: type, params: list[torch.Tensor]) -> bool:
     """An elementwise optimizer does on a DTensor exactly what it does on the local shard (DTensor dispatches each
     foreach/fused call to the same kernel on the local tensors), without paying the dispatch."""
-    return cls in ELEMENTWISE and all(is_dtensor(p) and hasattr(p, "_local_tensor") for p in params)
+    return cls in ELEMENTWISE and all(is_dtensor(p) and hasattr(p, LOCAL_TENSOR) for p in params)
 
 
 class LocalShards:
@@ -336,7 +341,7 @@ class LocalShards:
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = params
-        self.stand_ins = {id(p): p._local_tensor.detach() for p in params}
+        self.stand_ins = {id(p): local_tensor(p).detach() for p in params}
         self.state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)  # the inner optimizer's
         self._seen: dict[int, dict[str, Any]] = {}  # id(param) -> the facade state dict its local view came from
 
@@ -351,7 +356,7 @@ class LocalShards:
             local_grads = 0
             for p in self.params:
                 a = self.stand_ins[id(p)]
-                local = p._local_tensor
+                local = local_tensor(p)
                 if a.data_ptr() != local.data_ptr() or a.shape != local.shape:
                     a.data = local  # FSDP2 re-created the shard (module.to(), lazy init): follow it
                 g = p.grad
@@ -360,14 +365,14 @@ class LocalShards:
                     if g is not None:
                         redistributed.append(p)
                     continue
-                a.grad = g._local_tensor
+                a.grad = local_tensor(g)
                 local_grads += 1
                 mine = facade_state.get(p)
                 if not mine:
                     self.state.pop(a, None)
                     new.append(p)
                 elif mine is not self._seen.get(id(p)):  # new, or replaced (load_state_dict, a standard step)
-                    self.state[a] = {k: v._local_tensor if is_dtensor(v) else v for k, v in mine.items()}
+                    self.state[a] = {k: local_tensor(v) if is_dtensor(v) else v for k, v in mine.items()}
                     self._seen[id(p)] = mine
             try:
                 if local_grads:
@@ -388,7 +393,7 @@ class LocalShards:
 
 def _like(p: torch.Tensor, v: Any) -> Any:
     """``v``, a state tensor made for ``p``'s local shard, as the DTensor the standard loop would hold."""
-    if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape != p._local_tensor.shape:
+    if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape != local_tensor(p).shape:
         return v  # a scalar (``step``): a plain tensor in the standard loop too
     from torch.distributed.tensor import DTensor
 

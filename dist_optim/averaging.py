@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_swa_avg_fn, get_swa_multi_avg_fn
-from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices, _group_tensors_by_device_and_dtype
 from torch.utils.hooks import RemovableHandle
 
+from dist_optim._torch_internals import foreach_supported_devices, group_tensors_by_device_and_dtype, tensor_version
 from dist_optim.optimizer import InBackwardOptimizer
 
 __all__ = ["average_in_backward"]
@@ -169,7 +169,7 @@ class _Averager:
         self.averaged_model = averaged_model
         self.model = model
         self.step: _Step | None = None
-        self.n_seen: tuple[torch.Tensor, int, int] | None = None  # (n_averaged, its _version, its value)
+        self.n_seen: tuple[torch.Tensor, int, int] | None = None  # (n_averaged, its version counter, its value)
 
     # -- hooks ----------------------------------------------------------------------------------------------------
     def begin(self, _optimizer: Any = None, _args: Any = None, _kwargs: Any = None) -> None:
@@ -210,13 +210,13 @@ class _Averager:
                     b_avg.detach().copy_(b_model.detach().to(b_avg.device))
         am.n_averaged += 1
         n = am.n_averaged
-        self.n_seen = (n, _version(n), step.n + 1)
+        self.n_seen = (n, tensor_version(n), step.n + 1)
 
     # -- arithmetic: AveragedModel.update_parameters on a subset of the pairs ---------------------------------------
     def _n_averaged(self) -> int:
         n = self.averaged_model.n_averaged
         seen = self.n_seen
-        if seen is not None and seen[0] is n and _reading_syncs(n) and seen[1] == _version(n) != -1:
+        if seen is not None and seen[0] is n and _reading_syncs(n) and seen[1] == tensor_version(n) != -1:
             return seen[2]  # unchanged since we last wrote it: no device sync in backward
         return int(n)
 
@@ -236,11 +236,11 @@ class _Averager:
         if n <= 0:
             return
         if am.multi_avg_fn is not None or am.avg_fn is None:
-            grouped = _group_tensors_by_device_and_dtype([self_detached, model_detached])
+            grouped = group_tensors_by_device_and_dtype([self_detached, model_detached])
             for (device, _), ([self_params, model_params], _) in grouped.items():
                 if am.multi_avg_fn:
                     am.multi_avg_fn(self_params, model_params, am.n_averaged.to(device))
-                elif device is not None and device.type in _get_foreach_kernels_supported_devices():
+                elif device is not None and device.type in foreach_supported_devices():
                     get_swa_multi_avg_fn()(self_params, model_params, am.n_averaged.to(device))
                 else:
                     avg_fn = get_swa_avg_fn()
@@ -256,10 +256,3 @@ class _Averager:
 def _reading_syncs(t: torch.Tensor) -> bool:
     """Whether reading ``t`` on the host waits for its device (then its value is remembered between steps)."""
     return t.device.type != "cpu"
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor has no version counter: read it every time
-        return -1

@@ -199,8 +199,7 @@ class InBackwardOptimizer(OptionsAndTelemetry, torch.optim.Optimizer):
             grad_norm_type=grad_norm_type, max_grad_value=max_grad_value, track_grad_norm=track_grad_norm,
             grad_scaler=grad_scaler, overflow=overflow, nonfinite=nonfinite, strict=strict,
         ))
-        dynamo = sys.modules.get("torch._dynamo")
-        if dynamo is not None and dynamo.config.compiled_autograd:
+        if internals.compiled_autograd_configured():
             raise RuntimeError(compiled_autograd_message())
         self._norm_order: dict[int, int] = {}  # id(tensor) -> its place in grad_norm_order
         ddp = params if isinstance(params, nn.parallel.DistributedDataParallel) else None

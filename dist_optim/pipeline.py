@@ -19,6 +19,7 @@ from torch import nn
 from dist_optim._inputs import is_dtensor
 from dist_optim._link import engine_of
 from dist_optim._options import InBackwardOptions, engine_keywords
+from dist_optim._torch_internals import PERFORM_REDUCE_GRAD, graph_task_id, is_schedule, n_microbatches, schedule_stages
 from dist_optim.optimizer import InBackwardOptimizer
 
 __all__ = ["pipeline_optimizers"]
@@ -82,7 +83,7 @@ def pipeline_optimizers(
     _check_clipping(kwargs)
     stages = _stages_of(schedule)
     _check_full_backward(schedule, stages)
-    n = int(schedule._n_microbatches)
+    n = int(n_microbatches(schedule))
     scale = bool(schedule.scale_grads)
     keywords = engine_keywords()
     given = {k: v for k, v in kwargs.items() if k in keywords}
@@ -114,7 +115,7 @@ def pipeline_optimizers(
                 "(ScheduleGPipe, Schedule1F1B), where the schedule reduces each stage through perform_reduce_grad; "
                 "use one of them, or a standard optimizer stepped after schedule.step()"
             )
-        if sharded and not hasattr(stage, "perform_reduce_grad"):
+        if sharded and not hasattr(stage, PERFORM_REDUCE_GRAD):
             raise NotImplementedError(
                 f"stage {stage.stage_index} is fully_shard-ed, and this torch ({torch.__version__}) reduces an "
                 "FSDP2 stage's gradients inside its last micro-batch backward without the "
@@ -169,11 +170,11 @@ def _first_param(opt: InBackwardOptimizer) -> torch.Tensor:
 
 
 def _reduce_in_window(stage: Any, opt: InBackwardOptimizer) -> None:
-    current = stage.perform_reduce_grad
+    current = getattr(stage, PERFORM_REDUCE_GRAD)
     if isinstance(current, _ReduceWindow):
         current.opt = weakref.ref(opt)  # the last optimizer was removed: its parameters were free to take
     else:
-        stage.perform_reduce_grad = _ReduceWindow(stage, current, opt)
+        setattr(stage, PERFORM_REDUCE_GRAD, _ReduceWindow(stage, current, opt))
 
 
 class _Guard:
@@ -185,12 +186,12 @@ class _Guard:
         self.schedule, self.stage, self.n, self.scale, self.sharded = schedule, stage, n, scale, sharded
 
     def __call__(self, opt: InBackwardOptimizer, args: Any, kwargs: Any) -> None:
-        if not self.sharded and torch._C._current_graph_task_id() == -1:
+        if not self.sharded and graph_task_id() == -1:
             return  # opt.step() outside backward: a flush the user asked for (an FSDP2 stage steps out there)
         schedule = self.schedule
-        if (schedule._n_microbatches, bool(schedule.scale_grads)) != (self.n, self.scale):
+        if (n_microbatches(schedule), bool(schedule.scale_grads)) != (self.n, self.scale):
             raise RuntimeError(
-                f"the schedule now has n_microbatches={schedule._n_microbatches}, scale_grads={schedule.scale_grads}"
+                f"the schedule now has n_microbatches={n_microbatches(schedule)}, scale_grads={schedule.scale_grads}"
                 f" but its optimizers were built for {self.n}, {self.scale}: build them again with "
                 "pipeline_optimizers(schedule, ...)"
             )
@@ -211,10 +212,8 @@ class _Guard:
 
 
 def _stages_of(schedule: Any) -> list[Any]:
-    stages = getattr(schedule, "_stages", None)
-    if stages is None and getattr(schedule, "_stage", None) is not None:
-        stages = [schedule._stage]
-    if not stages or not hasattr(schedule, "_n_microbatches") or not hasattr(schedule, "scale_grads"):
+    stages = schedule_stages(schedule)
+    if not stages or not is_schedule(schedule) or not hasattr(schedule, "scale_grads"):
         raise ValueError(
             "schedule must be a torch.distributed.pipelining schedule (ScheduleGPipe, Schedule1F1B, "
             f"ScheduleInterleaved1F1B, ...) built over this rank's stages, got {type(schedule).__name__}"

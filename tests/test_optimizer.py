@@ -407,3 +407,14 @@ def test_the_closure_s_backward_only_accumulates_and_step_steps_once():
         ref_opt.step(ref_closure)
     assert stepped == [10, 10]  # one standard step per step() call, all tensors at once
     assert_same_params(model, ref)
+
+
+def test_kernels_says_the_flag_chosen_for_each_group_that_left_both_unset():
+    model = make_model()
+    own, rest = list(model.parameters())[:1], list(model.parameters())[1:]
+    opt = InBackwardOptimizer([{"params": own, "foreach": False}, {"params": rest}], torch.optim.AdamW)
+    assert opt.kernels == ({}, {"fused": True})  # the group's own flag is its own; torch's fastest for the other
+    opt.kernels[1]["fused"] = False  # a copy
+    assert opt.kernels[1] == {"fused": True}
+    sgd = InBackwardOptimizer(make_model().parameters(), torch.optim.SGD, lr=0.1)
+    assert sgd.kernels == ({"foreach": True},)  # never fused SGD

@@ -184,11 +184,3 @@ def test_a_llama_shaped_config_plans_without_allocating_the_model(tmp_path, caps
     assert p.standard.peak_bytes > 300 * 2**20  # the logits (32000 x 2048, upcast to float32) set it here
     assert real < 16 * 2**20, real
     assert "saving:" in capsys.readouterr().out
-
-
-def test_the_torch_privates_the_planner_needs_are_where_it_looks():
-    from dist_optim._memory_trace import TORCH_PRIVATES
-
-    for dotted in TORCH_PRIVATES:
-        module, _, name = dotted.rpartition(".")
-        assert hasattr(importlib.import_module(module), name), f"{dotted} moved: {TORCH_PRIVATES[dotted]}"

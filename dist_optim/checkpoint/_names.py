@@ -8,10 +8,12 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from dist_optim._torch_internals import WRAPPER_COMPONENTS
+
 __all__ = ["canonical_name", "Remap"]
 
 # Path components that wrappers insert into module names. ``module`` (DDP, AveragedModel) only counts at the front.
-_WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+_WRAPPER_COMPONENTS = WRAPPER_COMPONENTS
 _PLACEHOLDER = re.compile(r"^\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 
 

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
+from dist_optim._torch_internals import PICKLED_LAYOUT
+
 __all__: list[str] = []
 
 PLAIN_FILE = "dist_optim.json"
@@ -43,7 +45,7 @@ class CheckpointError(RuntimeError):
 _DCP_DATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
                      "torch.distributed.checkpoint.planner")
 _SAFE_GLOBALS = {
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("torch", "Size"), PICKLED_LAYOUT, ("collections", "OrderedDict"),
     ("builtins", "set"), ("builtins", "frozenset"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
     ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
 }
