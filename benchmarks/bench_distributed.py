@@ -6,7 +6,7 @@ gloo on CPU (NCCL with CUDA).
     python -m benchmarks.bench_distributed --layouts tp,fsdp2+tp   # some layouts (dp: DDP and FSDP2; tp; fsdp2+tp)
 
 The dp layout takes about 75 s on 2 idle cores; tp and fsdp2+tp took 13 minutes together on 2 cores 74 % busy with
-other work. Quick: 38 s (dp) and about 2.5 minutes (tp, fsdp2+tp) on that busy machine.
+other work. Quick: 38 s for dp on a lightly loaded machine; all three layouts 3.5 minutes on 2 cores 82 % busy.
 
 Every rank builds the same many_small (default 16 x 512: 66 tensors, 17.1 MiB of gradients), one thread per rank,
 and feeds it its own input. Variants, AdamW(fused=True): ddp_view{0,1}_std/_inb (DDP with gradient_as_bucket_view
