@@ -284,7 +284,19 @@ def _by_device(grads: list[torch.Tensor], inv_scale: torch.Tensor):
     for g in grads:
         devices.setdefault(g.device, []).append(g)
     for device, device_grads in devices.items():
-        yield device_grads, inv_scale.to(device)
+        yield _reducing_first(device_grads), inv_scale.to(device)
+
+
+def _reducing_first(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``grads`` with one that is not ``Replicate`` on the most mesh dimensions first. On DTensor gradients the
+    unscale kernel takes ``found_inf``'s max over the mesh dimensions on which the list's *first* gradient is not
+    ``Replicate`` (DTensor's ``found_inf_reduce_handler``): a bucket led by a replicated tensor (a RowwiseParallel
+    bias, beside its Shard(1) weight) would keep an overflow in one rank's shard on that rank alone, which then
+    skips while the others step (and wait in the next collective). The order changes no unscaled value."""
+    if not grads or not is_dtensor(grads[0]):
+        return grads
+    lead = max(range(len(grads)), key=lambda k: sum(not pl.is_replicate() for pl in grads[k].placements))
+    return grads if lead == 0 else [grads[lead], *grads[:lead], *grads[lead + 1:]]
 
 
 def _mul(grads: list[torch.Tensor], coef: torch.Tensor | float) -> None:

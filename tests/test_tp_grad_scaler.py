@@ -10,12 +10,11 @@ a max over the mesh dimensions on which the list's *first* gradient is not ``Rep
 overflow in one rank's shard skips the step on every rank when the first gradient of the list is sharded or partial
 (here a SequenceParallel norm's).
 
-The engine unscales bucket by bucket, so the reduction follows each bucket's first gradient. A bucket whose first
-gradient is ``Replicate`` (a RowwiseParallel bias, which shares its addmm node, and so its bucket, with the Shard(1)
-weight) does not reduce: an overflow in rank 0's shard of that weight skips the step on rank 0 alone, and rank 1,
-stepping, waits in the collective of the norms' ``Partial`` gradients for a rank that never comes (a hang; without
-such a collective, replicas drifting apart). That case is marked xfail and not run (it hangs until the scenario
-timeout) until the engine reduces ``found_inf`` over the parameters' mesh itself.
+The engine unscales bucket by bucket, so the reduction would follow each bucket's first gradient. A bucket whose
+first gradient is ``Replicate`` (a RowwiseParallel bias, which shares its addmm node, and so its bucket, with the
+Shard(1) weight) would not reduce: an overflow in rank 0's shard of that weight skipped the step on rank 0 alone, and
+rank 1, stepping, waited in the collective of the norms' ``Partial`` gradients (a hang). The engine now puts the
+gradient that is not ``Replicate`` on the most mesh dimensions first in each unscale call (``"down.weight"``).
 """
 
 from __future__ import annotations
@@ -97,9 +96,8 @@ def _on_tp_mesh(ctx, **kwargs) -> None:
 @pytest.mark.parametrize("poison", [
     "loss",
     "up.weight",  # ColwiseParallel: its bucket (weight and bias, Shard(0)) reduces found_inf over the TP ranks
-    pytest.param("down.weight", marks=pytest.mark.xfail(
-        run=False, reason="its bucket starts with the Replicate RowwiseParallel bias: found_inf is not reduced, rank "
-                          "0 alone skips and the ranks hang in the norms' collective (see the module docstring)")),
+    "down.weight",  # RowwiseParallel: its bucket starts with the Replicate bias; the engine puts the Shard(1) weight
+    # first in the unscale call, so that found_inf is reduced over the TP ranks as in the standard loop
 ])
 def test_grad_scaler_under_tp_equals_scaler_step(ranks, poison):
     ranks.run(2, _on_tp_mesh, poison=poison)
