@@ -152,8 +152,8 @@ def test_one_process_resume_is_bitwise(path, tmp_path):
     _same_state(opt, again)
 
 
-def test_a_standard_optimizer_checkpoint_resumes_in_backward(tmp_path):
-    """torchao's AdamW8bit in its own loop -> in backward: the same subclass states, bitwise."""
+def test_standard_and_in_backward_checkpoints_load_into_each_other(tmp_path):
+    """torchao's AdamW8bit in its own loop -> in backward, and back: the same subclass states, bitwise."""
     path = "torchao.optim.AdamW8bit"
     _own_loop_runs(path)
     model = _model()
@@ -168,6 +168,31 @@ def test_a_standard_optimizer_checkpoint_resumes_in_backward(tmp_path):
     load(tmp_path / "ck", model=resumed, optimizer=again)
     assert _state_types(again) == _state_types(opt)
     _same_state(opt, again)
+    save(tmp_path / "ck_in_backward", model=resumed, optimizer=again)
+    standard = _model(seed=5)
+    back = _class(path)(standard.parameters(), lr=LR)
+    load(tmp_path / "ck_in_backward", model=standard, optimizer=back)
+    assert _state_types(back) == _state_types(opt)
+    _same_state(opt, back)
+
+
+def test_an_async_save_holds_the_quantised_state_of_save_time(tmp_path):
+    """The inner tensors are copied before save(async_save=True) returns: steps taken while the upload runs
+    change the optimizer's codes and scales, not the checkpoint's."""
+    path = "torchao.optim.AdamW8bit"
+    _own_loop_runs(path)
+    model, opt = _build(path, "plain")
+    _train(model, range(HALF))
+    pending = save(tmp_path / "ck", model=model, optimizer=opt, async_save=True)
+    at_save = _build(path, "plain", seed=9)
+    # the state at save time, through torch.save (which keeps the subclasses)
+    torch.save(opt.state_dict(), tmp_path / "at_save.pt")
+    _train(model, range(HALF, 2 * HALF))
+    pending.wait()
+    at_save[1].load_state_dict(torch.load(tmp_path / "at_save.pt", weights_only=False))
+    resumed, again = _build(path, "plain", seed=9)
+    load(tmp_path / "ck", model=resumed, optimizer=again)
+    _same_state(at_save[1], again)
 
 
 # -- DDP: 2 ranks <-> 1 process ----------------------------------------------------------------------------------------
