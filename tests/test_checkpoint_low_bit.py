@@ -111,8 +111,9 @@ def _same_state(a, b) -> None:
                 pairs = [(getattr(x, n), getattr(y, n)) for n in names]
             else:
                 pairs = [(x, y)]
-            for u, v in pairs:
-                assert u.dtype == v.dtype and torch.equal(u.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
+            for u, v in pairs:  # compared as bytes, whatever the dtype (fp8 codes, a NaN)
+                bits = (t.reshape(-1).view(torch.uint8) for t in (u, v))
+                assert u.dtype == v.dtype and torch.equal(*bits), k
 
 
 def _own_loop_runs(path: str) -> None:
