@@ -402,12 +402,11 @@ def test_probes_leave_the_random_stream_alone():
     assert _differs(state, _rng_states()) is None
 
 
-@pytest.mark.parametrize("path", ["optimi.AdamW", "schedulefree.AdamWScheduleFree", "bitsandbytes.optim.Adam8bit",
-                                  "torchao.optim.AdamW8bit"])
+@pytest.mark.parametrize("path", ["optimi.AdamW", "schedulefree.AdamWScheduleFree", "bitsandbytes.optim.Adam8bit"])
 def test_checkpoint_round_trip(path, tmp_path):
     """dist_optim.checkpoint keeps what these classes keep: group tensors (torch-optimi's step), schedule-free's
-    group keys, bitsandbytes' 8-bit codes and their scales, and the run resumes exactly; torchao's quantised
-    states (tensor subclasses) are refused at save, before anything is written."""
+    group keys, bitsandbytes' 8-bit codes and their scales, and the run resumes exactly. torchao's quantised states
+    (tensor subclasses), and low-bit states across world sizes: tests/test_checkpoint_low_bit.py."""
     from dist_optim.checkpoint import load, save
 
     module, _, name = path.rpartition(".")
@@ -415,7 +414,7 @@ def test_checkpoint_round_trip(path, tmp_path):
         warnings.simplefilter("ignore")
         cls = getattr(pytest.importorskip(module), name)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 1))  # 4096: quantised by both packages
+    model = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 1))  # 4096: quantised by bitsandbytes
     resumed = copy.deepcopy(model)
     x = torch.randn(4, 16)
     try:  # the class's own loop, once
@@ -430,10 +429,6 @@ def test_checkpoint_round_trip(path, tmp_path):
     _modes(opt, "train")
     for _ in range(2):
         model(x).square().mean().backward()
-    if module == "torchao.optim":  # its states are tensor subclasses, which load back as plain tensors: refused
-        with pytest.raises(NotImplementedError, match="'exp_avg' of 0.weight is a OptimState8bit"):
-            save(str(tmp_path / "ck"), model=model, optimizer=opt)
-        return
     save(str(tmp_path / "ck"), model=model, optimizer=opt)
     again = dist_optim.InBackwardOptimizer(resumed, cls, lr=1e-2, bucket_cap_mb=1e-4)
     load(str(tmp_path / "ck"), model=resumed, optimizer=again)

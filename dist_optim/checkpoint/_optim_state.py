@@ -16,7 +16,7 @@ from torch import nn
 from .._inputs import is_dtensor
 from ..optimizer import InBackwardOptimizer
 from ._names import canonical_names
-from . import _ranks
+from . import _ranks, _subclass_state
 from ._request import LoadRequest, SaveRequest
 from ._storage import CheckpointError
 from ._transfer import Snapshot, Source
@@ -84,17 +84,26 @@ def collect(req: SaveRequest, snap: Snapshot) -> None:
     _refuse_an_incomplete_step(req, optimizer)
     names = param_names(req.objects.module, optimizer)
     groups, values = [], {}
+    rank = _ranks.rank(req.process_group)
+    # quantised states (torchao's tensor subclasses): their inner tensors, rebuilt as the same class on load
+    subclass_states: dict[str, dict[str, Any]] = {}
+    for group_names, g in zip(names, optimizer.param_groups):
+        for name, p in zip(group_names, g["params"]):
+            for key, v in optimizer.state.get(p, {}).items():
+                if _subclass_state.is_subclass_state(v) or _subclass_state.local_subclass(v):
+                    subclass_states.setdefault(name, {})[key] = _subclass_state.collect(name, key, v, rank,
+                                                                                        snap.tensors)
+    # every rank's description: a sharded (FSDP2) state keeps each rank's own shapes. Collective.
+    merged = _subclass_state.merge(_ranks.all_gather(subclass_states, req.process_group))
     for group_names, g, cls in zip(names, optimizer.param_groups, group_classes(optimizer)):
         for name, p in zip(group_names, g["params"]):
             for key, v in optimizer.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor) and type(v) not in (torch.Tensor, nn.Parameter) and not is_dtensor(v):
-                    raise NotImplementedError(
-                        f"optimizer state {key!r} of {name} is a {type(v).__name__} (a quantised state, as torchao's "
-                        "8-bit and 4-bit optimizers keep): dist_optim.checkpoint would load it back as a plain "
-                        "tensor of its shape, and the optimizer would then step differently. Save this optimizer "
-                        "with torch.save(optimizer.state_dict()) for now"
-                    )
-                if isinstance(v, torch.Tensor) and v.dim() > 0 or is_dtensor(v):
+                if key in subclass_states.get(name, {}):
+                    continue
+                if merged.get(name, {}).get(key, {}).get("layout") == "sharded":
+                    # quantised on other ranks, plain here (a shard too small to quantise): stored with them
+                    _subclass_state.collect_plain_shard(name, key, v, rank, snap.tensors)
+                elif isinstance(v, torch.Tensor) and v.dim() > 0 or is_dtensor(v):
                     snap.tensors[f"optim/{name}/{key}"] = v
                 elif isinstance(v, torch.Tensor):
                     snap.tensors[f"optim/{name}/{key}"] = v.detach().clone()  # scalar ("step"): a snapshot
@@ -104,6 +113,8 @@ def collect(req: SaveRequest, snap: Snapshot) -> None:
                        OPTIMIZER_CLASS_KEY: cls})
     saved = {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}", "param_groups": groups,
              "values": values}
+    if merged:
+        saved[_subclass_state.PLAIN_KEY] = merged
     in_backward = optimizer.state_dict().get(IN_BACKWARD_KEY)
     if in_backward:
         saved[IN_BACKWARD_KEY] = in_backward
@@ -129,6 +140,9 @@ def plan(req: LoadRequest, src: Source) -> Callable[[], None] | None:
     for key in src.saved_keys("optim/"):
         name, _, sk = key.rpartition("/")
         state_keys.setdefault(name, []).append(sk)
+    subclass_states = saved.get(_subclass_state.PLAIN_KEY) or {}
+    rank, world = _ranks.rank(req.process_group), _ranks.world(req.process_group)
+    rebuilds: list[tuple[dict[str, Any], str, Callable[[], torch.Tensor]]] = []  # (entry, key, rebuild after read)
     state: dict[int, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
     index = 0
@@ -150,6 +164,9 @@ def plan(req: LoadRequest, src: Source) -> Callable[[], None] | None:
                     key = f"optim/{s}/{sk}"
                     entry[sk] = _new_state_tensor(src.tensor_meta(key), p)
                     src.read_into(key, entry[sk], f"optimizer state {sk!r} of {t}")
+                for sk, saved_entry in subclass_states.get(s, {}).items():
+                    rebuilds.append((entry, sk, _subclass_state.plan(saved_entry, s, sk, t, p, rank, world, src)))
+                    entry[sk] = None  # rebuilt after the read
                 if entry:
                     state[index] = entry
             elif optimizer.state.get(p):
@@ -165,6 +182,8 @@ def plan(req: LoadRequest, src: Source) -> Callable[[], None] | None:
         state_dict[IN_BACKWARD_KEY] = saved[IN_BACKWARD_KEY]
 
     def apply() -> None:
+        for entry, sk, rebuild in rebuilds:
+            entry[sk] = rebuild()
         optimizer.load_state_dict(state_dict)
 
     return apply

@@ -61,6 +61,23 @@ def _check_optimizer(c: _Checker, opt: Any) -> None:
             optional=True)
     c.field(opt, "values", "optimizer.values", "a dict of {parameter name: dict}",
             lambda v: _str_keyed(v) and all(_str_keyed(x) for x in v.values()))
+    if c.field(opt, "subclass_states", "optimizer.subclass_states", "a dict of {parameter name: {state key: dict}}",
+               lambda v: _str_keyed(v) and all(_str_keyed(x) and all(_str_keyed(d) for d in x.values())
+                                               for x in v.values()), optional=True):
+        for name, keys in opt["subclass_states"].items():
+            for key, d in keys.items():
+                where = f"optimizer.subclass_states[{name!r}][{key!r}]"
+                c.field(d, "class", f"{where}.class", "a str (a tensor subclass's qualified name)",
+                        lambda v: isinstance(v, str))
+                if c.field(d, "layout", f"{where}.layout", "'replicated' or 'sharded'",
+                           lambda v: v in ("replicated", "sharded")) and d["layout"] == "sharded":
+                    c.field(d, "world_size", f"{where}.world_size", "an int >= 1", lambda v: _is_int(v) and v >= 1)
+                    c.field(d, "ranks", f"{where}.ranks",
+                            "a list with a dict per saved rank (null where the rank's shard was plain)",
+                            lambda v: isinstance(v, list) and len(v) == d.get("world_size")
+                            and all(r is None or _str_keyed(r) for r in v))
+                elif d.get("layout") == "replicated":
+                    c.field(d, "inner", f"{where}.inner", "a dict", _str_keyed)
     if not c.field(opt, "param_groups", "optimizer.param_groups", "a list of dicts",
                    lambda v: isinstance(v, list) and all(_str_keyed(g) for g in v)):
         return
