@@ -222,6 +222,16 @@ def _stages_of(schedule: Any) -> list[Any]:
 
 
 def _check_full_backward(schedule: Any, stages: list[Any]) -> None:
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+    if isinstance(schedule, PipelineScheduleMulti) and not isinstance(getattr(schedule, "pipeline_order", None), dict):
+        # the only place a multi-stage schedule's split-backward (zero-bubble) actions can be seen: without it the
+        # refusal below would switch off in silence
+        raise NotImplementedError(
+            f"this torch ({torch.__version__}) keeps no pipeline_order dict on {type(schedule).__name__}, where "
+            "dist_optim looks for the zero-bubble actions it must refuse; use a single-stage schedule (GPipe, 1F1B) "
+            "or the torch version dist_optim was tested with"
+        )
     order = getattr(schedule, "pipeline_order", None) or {}
     split = sorted({
         str(a.computation_type.value) for actions in order.values() for a in actions

@@ -302,6 +302,17 @@ def test_zero_bubble_refused_because_its_weight_gradients_run_no_hook(ranks):
     assert 1 not in stages_with_hooks and 2 not in stages_with_hooks and 3 not in stages_with_hooks, calls
 
 
+def _zero_bubble_without_its_order(ctx):
+    modules, sched, first, last = build(ctx, "zero-bubble")
+    del sched.pipeline_order  # as a torch that renamed it: the zero-bubble refusal would find no actions to refuse
+    with pytest.raises(NotImplementedError, match="keeps no pipeline_order dict on ScheduleInterleavedZeroBubble"):
+        dist_optim.pipeline_optimizers(sched, torch.optim.SGD, lr=0.1)
+
+
+def test_a_multi_stage_schedule_without_its_order_is_refused(ranks):
+    ranks.run(2, _zero_bubble_without_its_order)
+
+
 def _guard_multiplier(ctx):
     modules, sched, first, last = build(ctx, "gpipe")
     (opt,) = dist_optim.pipeline_optimizers(sched, torch.optim.SGD, lr=0.1)
