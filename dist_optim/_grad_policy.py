@@ -113,10 +113,11 @@ class GradPolicy:
             self._inv_scale = scale.double().reciprocal().float()
             self._found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
 
-    def prepare(self, indices: list[int], grads: list[torch.Tensor], describe, divide: bool = True) -> bool:
+    def prepare(self, indices: list[int], params: list[torch.Tensor], describe, divide: bool = True) -> bool:
         """Unscale, check and measure one bucket's gradients; ``False`` if the bucket must not be stepped.
         ``divide``: apply the divisor (not to gradients the schedule has divided already)."""
         t0 = time.perf_counter()
+        grads = [p.grad for p in params]
         ok = True
         if self.grad_divisor is not None and divide:
             # grad.div_(n), the pipeline schedule's own mean: x * (1 / n) differs from x / n in the last bit. First,
@@ -150,39 +151,39 @@ class GradPolicy:
                     )
                 ok = False
         if ok and not self.hold and self.phase != "measure":
-            self._clip_now(grads, norms)
+            self._clip_now(params, norms)
         self.stats.step_time_s += time.perf_counter() - t0
         return ok
 
-    def _clip_now(self, grads: list[torch.Tensor], norms: list[torch.Tensor] | None) -> None:
+    def _clip_now(self, params: list[torch.Tensor], norms: list[torch.Tensor] | None) -> None:
+        # torch's own helpers, as the standard loop calls them: the same kernels (foreach where torch uses it)
         if self.max_grad_norm is not None:
             if self.clip_mode == "per_parameter":
-                for g, n in zip(grads, norms):
-                    # the arithmetic of clip_grad_norm_([p], max_norm) on one tensor
+                for p, n in zip(params, norms):
+                    # clip_grad_norm_([p], max_norm): the global norm of one tensor's norm
                     total = torch.linalg.vector_norm(torch.stack([n]), self.norm_type)
-                    g.mul_(torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0))
+                    torch.nn.utils.clip_grads_with_norm_([p], self.max_grad_norm, total)
             elif self.clip_mode == "previous_norm" and self.previous_norm is not None:
-                coef = torch.clamp(self.max_grad_norm / (self.previous_norm + 1e-6), max=1.0)
-                self.stats.clip_coef = coef
-                _mul(grads, coef)
+                self.stats.clip_coef = self._clip_coef(self.previous_norm)
+                torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, self.previous_norm)
             elif self._coef is not None:  # two_pass, the stepping pass
                 self.stats.clip_coef = self._coef
-                _mul(grads, self._coef)
+                torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, self.measured_norm)
         if self.max_grad_value is not None:
-            _clamp(grads, self.max_grad_value)
+            torch.nn.utils.clip_grad_value_(params, self.max_grad_value)
 
-    def finish_held(self, grads: list[torch.Tensor]) -> bool:
+    def finish_held(self, params: list[torch.Tensor]) -> bool:
         """For held buckets: decide the whole step, and clip every held gradient by the global norm."""
         t0 = time.perf_counter()
         if self.scaler is not None and self._found_inf.item():
             self.stats.step_time_s += time.perf_counter() - t0
             return False
         if self.max_grad_norm is not None and self.clip_mode in ("exact", "two_pass"):
-            coef = torch.clamp(self.max_grad_norm / (self.total_norm() + 1e-6), max=1.0)
-            self.stats.clip_coef = coef
-            _mul(grads, coef)
+            norm = self.total_norm()
+            self.stats.clip_coef = self._clip_coef(norm)
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
         if self.max_grad_value is not None:
-            _clamp(grads, self.max_grad_value)
+            torch.nn.utils.clip_grad_value_(params, self.max_grad_value)
         self.stats.step_time_s += time.perf_counter() - t0
         return True
 
@@ -193,8 +194,12 @@ class GradPolicy:
         if (self.scaler is not None and self._found_inf.item()) or self.stats.overflow:
             return False
         self.measured_norm = self.total_norm()
-        self._coef = torch.clamp(self.max_grad_norm / (self.measured_norm + 1e-6), max=1.0)
+        self._coef = self._clip_coef(self.measured_norm)
         return True
+
+    def _clip_coef(self, norm: torch.Tensor) -> torch.Tensor:
+        """The factor ``clip_grads_with_norm_(params, max_grad_norm, norm)`` multiplies by (for the telemetry)."""
+        return torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
 
     def total_norm(self) -> torch.Tensor:
         """The global norm of the measured tensors, combined as ``clip_grad_norm_`` combines them: in the order of
@@ -282,14 +287,9 @@ def _by_device(grads: list[torch.Tensor], inv_scale: torch.Tensor):
 
 
 def _mul(grads: list[torch.Tensor], coef: torch.Tensor | float) -> None:
+    # a framework's multiplier (torchtune's scale_grads: ``p.grad *= scaler``), tensor by tensor as there
     for g in grads:
         g.mul_(coef.to(g.device) if isinstance(coef, torch.Tensor) else coef)
-
-
-def _clamp(grads: list[torch.Tensor], value: float) -> None:
-    # clip_grad_value_'s arithmetic: clamp to [-value, value]
-    for g in grads:
-        g.clamp_(min=-value, max=value)
 
 
 def _record_for_scaler(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
