@@ -4,6 +4,12 @@ Every benchmark compares variants of one training unit (an iteration, an optimiz
 warm-up, the allocator peak of one unit each, interleaved paired timing, bitwise agreement with a reference
 variant. Times are medians over interleaved repetitions and ratios are paired (measured in the same run); peaks
 come from :func:`allocator_peak` (CPU: torch.profiler's memory events; CUDA: ``max_memory_allocated``).
+
+:func:`spawn` starts fresh ranks for each run and is not the tests' runner (``tests/dist_runner.py``), on purpose:
+a rank's peak, gloo's threads included, is measured from a clean process, with the heap shim preloaded
+(``LD_PRELOAD``, fixed when the process starts) and glibc's allocator pinned before the process group exists. The
+tests' runner keeps its ranks for the whole session (starting them is the slow part), whose heap carries the
+scenarios before into any peak; one spawner would cost one side its speed or the other its figures.
 """
 
 from __future__ import annotations
