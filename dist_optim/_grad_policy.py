@@ -1,11 +1,12 @@
-"""What happens to a bucket's gradients between backward and the step: unscale, scale, check, measure, clip.
+"""What happens to a bucket's gradients between backward and the step: divide, unscale, multiply, measure, check, clip.
 
 One ``GradPolicy`` per optimizer. The engine hands it each completed bucket (``prepare``), which divides by the
 step's gradient divisor (a pipeline schedule's ``n`` micro-batches), unscales (a ``GradScaler``), applies its
 multiplier (a framework's ``1 / num_tokens`` scaling), then the rest, in the standard loops' order; where the
 decision needs every gradient of the step (exact global-norm clipping, all-or-nothing fp16 overflow), the engine
-holds the buckets and asks ``finish_held`` at the end of backward. Arithmetic follows torch's own helpers
-(``clip_grad_norm_``, ``clip_grad_value_``, ``GradScaler.unscale_``), so results match the standard loop.
+holds the buckets and asks ``finish_held`` at the end of backward. Clipping calls torch's own helpers
+(``clip_grads_with_norm_``, ``clip_grad_value_``) and the rest follows torch's arithmetic (``clip_grad_norm_``'s
+norms, ``GradScaler.unscale_``), so results match the standard loop.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ class StepStats:
 
 
 class GradPolicy:
+    """One optimizer's gradient transforms, from its :class:`InBackwardOptions`: per bucket (:meth:`prepare`),
+    per held step (:meth:`finish_held`), per two-pass measurement (:meth:`finish_measure`), and the step's telemetry
+    (:attr:`stats`) and the norm the next step may clip by (``previous_norm``). Each backward that steps or
+    measures starts with :meth:`begin`, each training step ends with :meth:`end` (telemetry, the GradScaler's
+    record); :attr:`phase` says which pass of a two-pass step runs."""
+
     def __init__(self, options: InBackwardOptions) -> None:
         max_grad_norm, clip_mode = options.max_grad_norm, options.clip_mode
         self.max_grad_norm = max_grad_norm
@@ -114,8 +121,14 @@ class GradPolicy:
             self._found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
 
     def prepare(self, indices: list[int], params: list[torch.Tensor], describe, divide: bool = True) -> bool:
-        """Unscale, check and measure one bucket's gradients; ``False`` if the bucket must not be stepped.
-        ``divide``: apply the divisor (not to gradients the schedule has divided already)."""
+        """Transform one bucket's gradients in place, in the standard loops' order: divide by the step's divisor
+        (``divide``: not gradients the schedule has divided already), unscale and check for inf/NaN (a
+        ``GradScaler``), multiply by the multiplier, measure each tensor's norm (for the global norm, the
+        ``nonfinite`` check or per-parameter clipping), check for non-finite gradients (``nonfinite``: raise or
+        skip), then clip (by norm per parameter, by the previous step's or the measured norm, then by value) unless
+        the bucket is held for the whole step's decision or this is a measuring pass. Returns ``False`` if the
+        bucket must not be stepped (an overflow with ``overflow="per_bucket"``, a non-finite gradient with
+        ``nonfinite="skip"``); raises ``FloatingPointError`` for a non-finite gradient with ``nonfinite="raise"``."""
         t0 = time.perf_counter()
         grads = [p.grad for p in params]
         ok = True
