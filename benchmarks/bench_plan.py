@@ -6,9 +6,9 @@
 One process, AdamW (fused, as the planner and the engine pick it), the trainer's GPT (launch/gpt.py) on random byte
 sequences. For each configuration the planner traces a warm step on fake tensors; the same step (the planner's own
 ``Job``) then runs for real on a model of that shape, warm, its peak above the step's start measured by
-``harness.allocator_peak`` (torch.profiler's memory events). Printed per loop: the planned and measured peak (the
-resident bytes at the step's start, the same on both sides, plus the step's peak above it), the step's own peak
-planned and measured, and the saving (standard peak - in-backward peak) planned and measured.
+``launch.memory_peak.allocator_peak`` (torch.profiler's memory events). Printed per loop: the planned and measured
+peak (the resident bytes at the step's start, the same on both sides, plus the step's peak above it), the step's
+own peak planned and measured, and the saving (standard peak - in-backward peak) planned and measured.
 """
 
 from __future__ import annotations

@@ -4,6 +4,12 @@ Every benchmark compares variants of one training unit (an iteration, an optimiz
 warm-up, the allocator peak of one unit each, interleaved paired timing, bitwise agreement with a reference
 variant. Times are medians over interleaved repetitions and ratios are paired (measured in the same run); peaks
 come from :func:`allocator_peak` (CPU: torch.profiler's memory events; CUDA: ``max_memory_allocated``).
+
+:func:`spawn` starts fresh ranks for each run and is not the tests' runner (``tests/dist_runner.py``), on purpose:
+a rank's peak, gloo's threads included, is measured from a clean process, with the heap shim preloaded
+(``LD_PRELOAD``, fixed when the process starts) and glibc's allocator pinned before the process group exists. The
+tests' runner keeps its ranks for the whole session (starting them is the slow part), whose heap carries the
+scenarios before into any peak; one spawner would cost one side its speed or the other its figures.
 """
 
 from __future__ import annotations
@@ -16,7 +22,6 @@ import gc
 import json
 import os
 import platform
-import re
 import resource
 import shlex
 import shutil
@@ -32,9 +37,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 import dist_optim
+from launch.memory_peak import allocator_peak, quiet_kineto
 
 __all__ = ["add_rank_memory_options", "adamw", "agreement", "allocator_peak", "bucket_bytes", "device_of",
            "few_large", "fully_shard_blocks", "in_backward", "local", "many_small", "measure", "mib", "models", "nbytes", "parse", "parser", "print_table",
@@ -144,50 +149,6 @@ def mib(b: float | None) -> str:
 
 
 # -- memory ---------------------------------------------------------------------------------------------------------
-def allocator_peak(fn: Fn, device: torch.device | str = "cpu", *, timeline: bool = False) -> dict[str, Any]:
-    """The allocator's peak above its starting point during one call of ``fn``, and its net change (bytes).
-
-    CPU: the ``[memory]`` events of ``torch.profiler.profile(profile_memory=True)`` (signed sizes) summed in time
-    order; exact, but for the profiled thread only. CUDA: ``torch.cuda.max_memory_allocated`` after
-    ``reset_peak_memory_stats`` (every thread of the process). ``timeline=True`` adds ``(seconds, bytes)`` points
-    of the running sum (the profiler runs on CUDA too then). To keep what ``fn`` returns, let it store it.
-    """
-    device = torch.device(device)
-    cuda = device.type == "cuda"
-    gc.collect()
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    prof = None
-    with contextlib.ExitStack() as stack:
-        if not cuda or timeline:
-            stack.enter_context(_quiet_kineto(os.path.join(stack.enter_context(tempfile.TemporaryDirectory()), "err")))
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-            prof = stack.enter_context(profile(activities=acts, profile_memory=True))
-        fn()
-        if cuda:
-            torch.cuda.synchronize(device)
-    out: dict[str, Any] = {"source": "torch.profiler"}
-    if prof is not None:
-        kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-        events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                        if e.name() == "[memory]" and e.device_type() == kind)
-        running = peak = 0
-        points = [(0.0, 0)]
-        for t, n in events:
-            running += n
-            peak = max(peak, running)
-            points.append(((t - events[0][0]) / 1e9, running))
-        out.update(peak_bytes=peak, net_bytes=running, events=len(events))
-        if timeline:
-            out["timeline"] = points
-    if cuda:
-        out.update(source="torch.cuda", peak_bytes=torch.cuda.max_memory_allocated(device) - base,
-                   net_bytes=torch.cuda.memory_allocated(device) - base)
-    return out
-
-
 def unit_peak(steps: Sequence[Fn], device: torch.device) -> dict[str, Any]:
     """Peak of a unit of several steps (micro-batches) above the unit's start: each step measured on its own and
     placed above what the steps before it left allocated."""
@@ -449,32 +410,11 @@ class Run:
         return result
 
 
-_KINETO_NOISE = re.compile(r"USDT:.*ActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)")
-
-
-@contextlib.contextmanager
-def _quiet_kineto(path: str) -> Iterator[None]:
-    """Kineto writes two lines to fd 2 for every profiled call: hold fd 2 in a file, pass on the rest at the end."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(path, "w+b") as f:
-        os.dup2(f.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            f.seek(0)
-            sys.stderr.write("".join(ln for ln in f.read().decode(errors="replace").splitlines(keepends=True)
-                                     if not _KINETO_NOISE.search(ln)))
-
-
 def _rank_main(rank: int, fn: Callable[[int, argparse.Namespace], dict[str, Any]], args: argparse.Namespace,
                world: int, tmp: str) -> None:
     import torch.distributed as dist
 
-    with _quiet_kineto(os.path.join(tmp, f"rank{rank}.stderr")):
+    with quiet_kineto(os.path.join(tmp, f"rank{rank}.stderr")):
         try:
             torch.set_num_threads(args.threads)
             pinned = args.malloc == "pinned" and pin_malloc()  # a spawned interpreter starts with glibc's defaults

@@ -16,7 +16,8 @@ NO_TASK = -2  # the task of no backward at all: a hook that runs outside backwar
 
 
 class Run(enum.Enum):
-    """What one backward (or standard step) does with the gradients its hooks see; decided as it begins."""
+    """What one backward (or a step outside backward: a standard step, a pipeline window) does with the gradients
+    its hooks see; decided as it begins."""
 
     NONE = enum.auto()  # no backward: before the first, and after a pipeline window ended; nothing is stepped
     ACCUMULATE = enum.auto()  # a micro-batch (no_step(), accumulation_steps): gradients stay in .grad, unstepped

@@ -27,10 +27,12 @@ __all__: list[str] = []
 
 
 def _mean_allreduce(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future:
-    # what DDP does without a hook: divide first (no overflow in low precision), then sum
+    # What DDP does without a hook (reducer.cpp, mark_variable_ready_dense): multiply by 1 / world (before the sum,
+    # so low precision does not overflow), then sum. torch's allreduce_hook divides by the world instead, which
+    # rounds otherwise when the world is no power of two (a third of the elements on 3 ranks): not the standard loop.
     group = process_group if process_group is not None else dist.group.WORLD
     buffer = bucket.buffer()
-    buffer.div_(group.size())
+    buffer.mul_(1.0 / group.size())
     return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 

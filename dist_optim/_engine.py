@@ -320,7 +320,7 @@ class Engine:
         indices = [i for i, p in zip(b.indices, b.params) if p.grad is not None]
         # a standard step() (outside backward) finds gradients a pipeline schedule has already divided by n: its
         # scale_grads ran on what was not stepped in backward, so the divisor is for stepping in backward only
-        ok = policy.prepare(indices, [p.grad for p in present], lambda k: self.owner.param_name(present[k]),
+        ok = policy.prepare(indices, present, lambda k: self.owner.param_name(present[k]),
                             divide=bw.run is not Run.STANDARD)
         if bw.run is Run.MEASURE:
             self._free(b, bw, len(present) == b.size)  # measured: the stepping pass computes it again
@@ -334,7 +334,7 @@ class Engine:
         if not bw.held:
             return
         held, bw.held = bw.held, []
-        ok = bw.held_ok and bw.policy.finish_held([p.grad for _, present in held for p in present])
+        ok = bw.held_ok and bw.policy.finish_held([p for _, present in held for p in present])
         for b, present in held:
             self._step_or_skip(b, bw, present, ok)
 

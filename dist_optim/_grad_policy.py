@@ -1,11 +1,12 @@
-"""What happens to a bucket's gradients between backward and the step: unscale, scale, check, measure, clip.
+"""What happens to a bucket's gradients between backward and the step: divide, unscale, multiply, measure, check, clip.
 
 One ``GradPolicy`` per optimizer. The engine hands it each completed bucket (``prepare``), which divides by the
 step's gradient divisor (a pipeline schedule's ``n`` micro-batches), unscales (a ``GradScaler``), applies its
 multiplier (a framework's ``1 / num_tokens`` scaling), then the rest, in the standard loops' order; where the
 decision needs every gradient of the step (exact global-norm clipping, all-or-nothing fp16 overflow), the engine
-holds the buckets and asks ``finish_held`` at the end of backward. Arithmetic follows torch's own helpers
-(``clip_grad_norm_``, ``clip_grad_value_``, ``GradScaler.unscale_``), so results match the standard loop.
+holds the buckets and asks ``finish_held`` at the end of backward. Clipping calls torch's own helpers
+(``clip_grads_with_norm_``, ``clip_grad_value_``) and the rest follows torch's arithmetic (``clip_grad_norm_``'s
+norms, ``GradScaler.unscale_``), so results match the standard loop.
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ class StepStats:
 
 
 class GradPolicy:
+    """One optimizer's gradient transforms, from its :class:`InBackwardOptions`: per bucket (:meth:`prepare`),
+    per held step (:meth:`finish_held`), per two-pass measurement (:meth:`finish_measure`), and the step's telemetry
+    (:attr:`stats`) and the norm the next step may clip by (``previous_norm``). Each backward that steps or
+    measures starts with :meth:`begin`, each training step ends with :meth:`end` (telemetry, the GradScaler's
+    record); :attr:`phase` says which pass of a two-pass step runs."""
+
     def __init__(self, options: InBackwardOptions) -> None:
         max_grad_norm, clip_mode = options.max_grad_norm, options.clip_mode
         self.max_grad_norm = max_grad_norm
@@ -119,10 +126,17 @@ class GradPolicy:
             self._inv_scale = scale.double().reciprocal().float()
             self._found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
 
-    def prepare(self, indices: list[int], grads: list[torch.Tensor], describe, divide: bool = True) -> bool:
-        """Unscale, check and measure one bucket's gradients; ``False`` if the bucket must not be stepped.
-        ``divide``: apply the divisor (not to gradients the schedule has divided already)."""
+    def prepare(self, indices: list[int], params: list[torch.Tensor], describe, divide: bool = True) -> bool:
+        """Transform one bucket's gradients in place, in the standard loops' order: divide by the step's divisor
+        (``divide``: not gradients the schedule has divided already), unscale and check for inf/NaN (a
+        ``GradScaler``), multiply by the multiplier, measure each tensor's norm (for the global norm, the
+        ``nonfinite`` check or per-parameter clipping), check for non-finite gradients (``nonfinite``: raise or
+        skip), then clip (by norm per parameter, by the previous step's or the measured norm, then by value) unless
+        the bucket is held for the whole step's decision or this is a measuring pass. Returns ``False`` if the
+        bucket must not be stepped (an overflow with ``overflow="per_bucket"``, a non-finite gradient with
+        ``nonfinite="skip"``); raises ``FloatingPointError`` for a non-finite gradient with ``nonfinite="raise"``."""
         t0 = time.perf_counter()
+        grads = [p.grad for p in params]
         ok = True
         if self.grad_divisor is not None and divide:
             # grad.div_(n), the pipeline schedule's own mean: x * (1 / n) differs from x / n in the last bit. First,
@@ -156,39 +170,39 @@ class GradPolicy:
                     )
                 ok = False
         if ok and not self.hold and self.phase != "measure":
-            self._clip_now(grads, norms)
+            self._clip_now(params, norms)
         self.stats.step_time_s += time.perf_counter() - t0
         return ok
 
-    def _clip_now(self, grads: list[torch.Tensor], norms: list[torch.Tensor] | None) -> None:
+    def _clip_now(self, params: list[torch.Tensor], norms: list[torch.Tensor] | None) -> None:
+        # torch's own helpers, as the standard loop calls them: the same kernels (foreach where torch uses it)
         if self.max_grad_norm is not None:
             if self.clip_mode == "per_parameter":
-                for g, n in zip(grads, norms):
-                    # the arithmetic of clip_grad_norm_([p], max_norm) on one tensor
+                for p, n in zip(params, norms):
+                    # clip_grad_norm_([p], max_norm): the global norm of one tensor's norm
                     total = torch.linalg.vector_norm(torch.stack([n]), self.norm_type)
-                    g.mul_(torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0))
+                    torch.nn.utils.clip_grads_with_norm_([p], self.max_grad_norm, total)
             elif self.clip_mode == "previous_norm" and self.previous_norm is not None:
-                coef = torch.clamp(self.max_grad_norm / (self.previous_norm + 1e-6), max=1.0)
-                self.stats.clip_coef = coef
-                _mul(grads, coef)
+                self.stats.clip_coef = self._clip_coef(self.previous_norm)
+                torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, self.previous_norm)
             elif self._coef is not None:  # two_pass, the stepping pass
                 self.stats.clip_coef = self._coef
-                _mul(grads, self._coef)
+                torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, self.measured_norm)
         if self.max_grad_value is not None:
-            _clamp(grads, self.max_grad_value)
+            torch.nn.utils.clip_grad_value_(params, self.max_grad_value)
 
-    def finish_held(self, grads: list[torch.Tensor]) -> bool:
+    def finish_held(self, params: list[torch.Tensor]) -> bool:
         """For held buckets: decide the whole step, and clip every held gradient by the global norm."""
         t0 = time.perf_counter()
         if self.scaler is not None and self._found_inf.item():
             self.stats.step_time_s += time.perf_counter() - t0
             return False
         if self.max_grad_norm is not None and self.clip_mode in ("exact", "two_pass"):
-            coef = torch.clamp(self.max_grad_norm / (self.total_norm() + 1e-6), max=1.0)
-            self.stats.clip_coef = coef
-            _mul(grads, coef)
+            norm = self.total_norm()
+            self.stats.clip_coef = self._clip_coef(norm)
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
         if self.max_grad_value is not None:
-            _clamp(grads, self.max_grad_value)
+            torch.nn.utils.clip_grad_value_(params, self.max_grad_value)
         self.stats.step_time_s += time.perf_counter() - t0
         return True
 
@@ -199,8 +213,12 @@ class GradPolicy:
         if (self.scaler is not None and self._found_inf.item()) or self.stats.overflow:
             return False
         self.measured_norm = self.total_norm()
-        self._coef = torch.clamp(self.max_grad_norm / (self.measured_norm + 1e-6), max=1.0)
+        self._coef = self._clip_coef(self.measured_norm)
         return True
+
+    def _clip_coef(self, norm: torch.Tensor) -> torch.Tensor:
+        """The factor ``clip_grads_with_norm_(params, max_grad_norm, norm)`` multiplies by (for the telemetry)."""
+        return torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
 
     def total_norm(self) -> torch.Tensor:
         """The global norm of the measured tensors, combined as ``clip_grad_norm_`` combines them: in the order of
@@ -300,14 +318,9 @@ def _reducing_first(grads: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _mul(grads: list[torch.Tensor], coef: torch.Tensor | float) -> None:
+    # a framework's multiplier (torchtune's scale_grads: ``p.grad *= scaler``), tensor by tensor as there
     for g in grads:
         g.mul_(coef.to(g.device) if isinstance(coef, torch.Tensor) else coef)
-
-
-def _clamp(grads: list[torch.Tensor], value: float) -> None:
-    # clip_grad_value_'s arithmetic: clamp to [-value, value]
-    for g in grads:
-        g.clamp_(min=-value, max=value)
 
 
 def _record_for_scaler(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:

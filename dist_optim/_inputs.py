@@ -151,11 +151,14 @@ def check_single_process(allow_local_steps: bool, params: list[torch.Tensor] | N
 
 
 def as_list(params: Any) -> list[Any]:
+    """``params`` (the top level or a group's ``"params"``) as a list; a set is refused, as ``torch.optim`` does."""
     if isinstance(params, torch.Tensor):
         return [params]
-    if isinstance(params, set):
-        raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
-                        "tensors in sets will change between runs. Please use a list instead.")
+    if isinstance(params, (set, frozenset)):
+        raise TypeError(
+            f"optimizer parameters need to be organized in ordered collections (a list), got a "
+            f"{type(params).__name__}, whose order changes between runs and would mismatch the state dict; pass a list"
+        )
     return list(params)
 
 
@@ -179,11 +182,6 @@ def param_groups_of(params: Any) -> list[Any]:
         raise TypeError(
             "params must be an iterable of Tensors, (name, Tensor) pairs or dicts, or an nn.Module, got a "
             "Tensor; wrap it in a list"
-        )
-    if isinstance(params, set):
-        raise TypeError(
-            "params must be an ordered collection (a list), got a set, whose order changes between runs and would "
-            "mismatch the state dict; pass a list"
         )
     groups = as_list(params)
     if not groups:

@@ -49,7 +49,7 @@ class LoopPlan:
 
     @property
     def step_peak_bytes(self) -> int:
-        """The peak above the step's start: what ``benchmarks.harness.allocator_peak`` measures of a step."""
+        """The peak above the step's start: what ``launch.memory_peak.allocator_peak`` measures of a step."""
         return self.peak_bytes - self.start_bytes
 
 

@@ -2,8 +2,9 @@
 
 Same behaviour and layout as torch's private ``_apply_optimizer_in_backward`` (optimizers over the parameter
 itself in ``param._in_backward_optimizers``, several per parameter, shared parameters, ``register_hook=False``),
-without its leak: everything lives in the parameter's own ``__dict__``, where the garbage collector sees the
-cycle, and the hook takes the parameter as its argument instead of closing over it. Under DDP, torch's own
+without its leak: the optimizers live in the parameter's own ``__dict__``, where the garbage collector sees the
+cycle, and the hook takes the parameter as its argument instead of closing over it; the hook's handle is kept off
+the parameter, in a weak map (the ``__dict__`` travels with a pickled module). Under DDP, torch's own
 communication hook steps these optimizers where the build allows it; under FSDP1 (``use_orig_params=True``), FSDP1's
 runtime steps them after its reduce-scatter (our hook never fires there: the original parameters are not in the
 autograd graph, the flat parameter is).

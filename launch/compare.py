@@ -4,9 +4,10 @@ Both jobs start from the same seed and see the same batches; their steps are int
 every step) so that the machine's drift touches both alike. Reported: the two loss curves and their largest
 difference (0 where the arithmetic is the same), the median step time of each and their paired ratio, and each
 rank's memory peak over one step: on CPU from torch.profiler's ``[memory]`` events (running sum of the allocator's
-signed deltas: ``benchmarks.harness.allocator_peak``), on CUDA ``torch.cuda.max_memory_allocated``. The profiler sees the
-profiled thread only: under FSDP2 gloo's own threads allocate and free some blocks too, which shows as a non-zero
-"net" (reported), so read FSDP2's CPU peaks to about that much.
+signed deltas: :func:`launch.memory_peak.allocator_peak`, the benchmarks' meter too), on CUDA
+``torch.cuda.max_memory_allocated``. The profiler sees the profiled thread only: under FSDP2 gloo's own threads
+allocate and free some blocks too, which shows as a non-zero "net" (reported), so read FSDP2's CPU peaks to about
+that much.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ import pathlib
 import statistics
 from typing import Any
 
-
-from benchmarks.harness import allocator_peak
-
+from .memory_peak import allocator_peak
 from .runtime import Runtime
 from .train_config import TrainConfig
 from .train_loop import Job

@@ -4,6 +4,9 @@ leave on disk (metrics.jsonl, final checkpoints loaded into plain models in the 
 Every process a test starts carries ``MULTINODE_TEST_TAG`` in its environment, so :func:`kill_tagged` finds the
 leftovers even after their agent died and they were reparented: torchrun starts each worker in its own session,
 so killing an agent's process group does not reach its workers.
+
+Not the tests' gloo ranks (``tests/dist_runner.py``) nor the benchmarks' (``benchmarks.harness.spawn``): these are
+real torchrun agents, with their rendezvous, restarts and worker processes, which is what the multinode tests test.
 """
 
 from __future__ import annotations

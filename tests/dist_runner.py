@@ -3,6 +3,13 @@ spawned ranks that runs named scenario functions on request, each under a timeou
 again in the test (with the rank's traceback); a hung rank is named, its stack dumped (faulthandler) and every rank
 of the group killed. Groups live for the test session (process start and ``import torch`` are the slow part) and
 are replaced after any failure. Usage: tests/README.md.
+
+The benchmarks spawn their ranks with ``benchmarks.harness.spawn`` instead, on purpose: they measure each rank's
+memory peak, gloo's threads included, so their ranks are fresh per run (a rank reused here carries the heap of the
+scenarios before: malloc's arenas, gloo's buffers), start with the heap shim preloaded (``LD_PRELOAD``, fixed when
+the process starts) and pin glibc's allocator before the process group exists. Reusing ranks is this runner's
+point (starting them is the slow part), so one spawner would cost one side its speed or the other its figures.
+``multinode_tests/nodes.py`` runs real torchrun agents, which neither spawner is.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """DDP: the step runs from a communication hook, after each bucket's all-reduce, on the averaged gradient.
 
 Every scenario compares InBackwardOptimizer on a DDP model with the same DDP wrapping and the standard loop
-(``loss.backward(); opt.step(); opt.zero_grad()``), bitwise, on 2 (some on 4) real gloo ranks that feed different
+(``loss.backward(); opt.step(); opt.zero_grad()``), bitwise, on 2 (some on 3 or 4) real gloo ranks that feed different
 data. Each scenario is its own test, run by the session's group of ranks (tests/dist_runner.py):
 ``pytest -k "test_ddp and 2ranks/exact_clipping"`` runs one.
 """
@@ -225,6 +225,10 @@ def _scenarios():
     yield "two_pass_clipping/no_sync_accumulation", _parity, dict(clip=0.05, two_pass=True, micro=2), (2,)
     yield "two_pass_clipping/gradient_as_bucket_view", _parity, dict(
         clip=0.05, two_pass=True, ddp=dict(gradient_as_bucket_view=True, bucket_cap_mb=0.002)), (2,)
+    # DDP's mean multiplies by 1 / world, which rounds unlike a division only where the world is no power of two
+    for name, view in (("SGD-momentum", False), ("AdamW-fused", True)):
+        yield (f"{name}/bucket_view-{view}/mean_on_3_ranks", _parity,
+               dict(optimizer=name, ddp=dict(gradient_as_bucket_view=view, bucket_cap_mb=0.002)), (3,))
     yield "refusals", _refusals, {}, (2,)
 
 

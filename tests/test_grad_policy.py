@@ -87,9 +87,7 @@ def test_previous_norm_clipping_uses_the_last_steps_global_norm():
         loss_of(ref, batch).backward()
         norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))  # measures only
         if previous is not None:
-            coef = torch.clamp(0.3 / (previous + 1e-6), max=1.0)
-            for p in ref.parameters():
-                p.grad.mul_(coef)
+            torch.nn.utils.clip_grads_with_norm_(ref.parameters(), 0.3, previous)
         previous = norm
         ref_opt.step()
         ref_opt.zero_grad()

@@ -3,6 +3,7 @@ ranks under FSDP2 and DDP) checked against the standard loop and against an unin
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import os
@@ -42,6 +43,35 @@ def _losses(tmp: pathlib.Path, run: str) -> list[float]:
     rows = [json.loads(line) for line in (tmp / run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(len(rows)))
     return [r["loss"] for r in rows]
+
+
+def _imported(package: str) -> dict[str, set[str]]:
+    """Each module of ``package`` (a folder of the repository) -> the absolute names it imports (``a.b`` for
+    ``import a.b``, ``a.b.c`` for ``from a.b import c``)."""
+    found = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        found[str(path.relative_to(ROOT))] = names
+    return found
+
+
+def test_the_layering_holds():
+    """launch uses dist_optim's public API only and nothing of benchmarks (which may import launch); dist_optim
+    never imports launch or benchmarks."""
+    def private(name: str) -> bool:
+        return name.startswith("dist_optim.") and any(part.startswith("_") for part in name.split(".")[1:])
+
+    launch = {f: sorted(n for n in names if n.split(".")[0] == "benchmarks" or private(n))
+              for f, names in _imported("launch").items()}
+    assert not {f: bad for f, bad in launch.items() if bad}
+    library = {f: sorted(n for n in names if n.split(".")[0] in ("launch", "benchmarks"))
+               for f, names in _imported("dist_optim").items()}
+    assert not {f: bad for f, bad in library.items() if bad}
 
 
 # -- the command line -------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 
 import dist_optim
 from benchmarks import bench_plan
-from benchmarks.harness import allocator_peak
+from launch.memory_peak import allocator_peak
 from dist_optim import plan
 from dist_optim._plan import CATEGORIES, Job, _hf_loss, main
 
