@@ -54,7 +54,18 @@ def reducer_indices(ddp: nn.parallel.DistributedDataParallel) -> dict[int, int]:
     return index
 
 
-def check_ddp(ddp: nn.parallel.DistributedDataParallel) -> None:
+def check_ddp(ddp: nn.parallel.DistributedDataParallel | None, accumulation_steps: int,
+              comm_hook: Callable[..., Any] | None) -> None:
+    """The DDP model given as ``params`` (``None``: not a DDP model) checked with the options that concern it."""
+    if ddp is None:
+        if comm_hook is not None:
+            raise ValueError("ddp_comm_hook is given but params is not a DistributedDataParallel model")
+        return
+    if accumulation_steps > 1:
+        raise NotImplementedError(
+            "accumulation_steps > 1 with DDP: DDP reduces in every backward. Accumulate with "
+            "`with model.no_sync():` on the micro-batches that only accumulate, and accumulation_steps=1"
+        )
     if (ddp.find_unused_parameters or ddp.static_graph) and not has_local_used_map(ddp.reducer):
         raise NotImplementedError(
             f"this torch ({torch.__version__}) has no DDP reducer._get_local_used_map, which tells which parameters "

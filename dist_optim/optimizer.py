@@ -203,15 +203,7 @@ class InBackwardOptimizer(OptionsAndTelemetry, torch.optim.Optimizer):
             raise RuntimeError(compiled_autograd_message())
         self._norm_order: dict[int, int] = {}  # id(tensor) -> its place in grad_norm_order
         ddp = params if isinstance(params, nn.parallel.DistributedDataParallel) else None
-        if ddp is not None:
-            check_ddp(ddp)
-            if options.accumulation_steps > 1:
-                raise NotImplementedError(
-                    "accumulation_steps > 1 with DDP: DDP reduces in every backward. Accumulate with "
-                    "`with model.no_sync():` on the micro-batches that only accumulate, and accumulation_steps=1"
-                )
-        elif ddp_comm_hook is not None:
-            raise ValueError("ddp_comm_hook is given but params is not a DistributedDataParallel model")
+        check_ddp(ddp, options.accumulation_steps, ddp_comm_hook)
         module = params if isinstance(params, nn.Module) else None
         frozen = [(name, weakref.ref(p)) for name, p in module.named_parameters()
                   if not p.requires_grad] if module is not None else []

@@ -251,5 +251,5 @@ def test_refuses_a_torch_without_the_used_map():
 
     ddp = SimpleNamespace(find_unused_parameters=True, static_graph=False, reducer=object())
     with pytest.raises(NotImplementedError, match="no DDP reducer._get_local_used_map"):
-        check_ddp(ddp)
-    check_ddp(SimpleNamespace(find_unused_parameters=False, static_graph=False, reducer=object()))
+        check_ddp(ddp, 1, None)
+    check_ddp(SimpleNamespace(find_unused_parameters=False, static_graph=False, reducer=object()), 1, None)

@@ -132,3 +132,10 @@ def test_seed_pair_refuses_bad_input_too():
         apply_optimizer_in_backward(torch.optim.LBFGS, model.parameters(), {})
     with pytest.raises(ValueError, match="can't optimize a non-leaf Tensor"):
         apply_optimizer_in_backward(torch.optim.SGD, [model.head.weight * 1], {"lr": 0.1})
+
+
+def test_a_ddp_comm_hook_without_a_ddp_model_is_refused():
+    model = torch.nn.Linear(3, 1)
+    with pytest.raises(ValueError, match="ddp_comm_hook is given but params is not a DistributedDataParallel"):
+        InBackwardOptimizer(model, torch.optim.SGD, lr=0.1, ddp_comm_hook=lambda state, bucket: None)
+    assert all(getattr(p, "_in_backward_engine", None) is None for p in model.parameters())
