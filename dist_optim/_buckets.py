@@ -58,13 +58,14 @@ class Bucket:
 class Backward:
     """The state of one backward; the next backward starts a new one."""
 
-    __slots__ = ("task", "previous_task", "run", "policy", "began", "held", "held_ok", "learning", "learning_bytes",
-                 "ended", "live_bytes", "peak_bytes", "tensors_stepped")
+    __slots__ = ("task", "previous_task", "run", "takes_grads", "policy", "began", "held", "held_ok", "learning",
+                 "learning_bytes", "ended", "live_bytes", "peak_bytes", "tensors_stepped")
 
     def __init__(self, task: int, previous_task: int, run: Run, policy: GradPolicy | None) -> None:
         self.task = task  # the autograd graph task running it (OUTSIDE_BACKWARD: a standard step or a window)
         self.previous_task = previous_task  # the task of the backward before: seeing it again means a nested one
         self.run = run
+        self.takes_grads = run.steps  # read by every gradient hook: a slot, not the enum's property
         self.policy = policy  # unscales, checks and clips the gradients of this step
         self.began = False  # whether the owner was told that the training step began (a first bucket stepped)
         self.held: list[tuple[Bucket, list[torch.Tensor]]] = []  # prepared buckets (and their tensors with a

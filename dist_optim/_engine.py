@@ -153,7 +153,7 @@ class Engine:
         tid = _task_id()
         if tid != bw.task:
             bw = self._begin(tid, i)
-        if not bw.run.steps:
+        if not bw.takes_grads:
             return  # a micro-batch that accumulates: the gradient stays in .grad
         bw.live_bytes += self.nbytes[i]  # its peak is taken where gradients are freed
         b = self.bucket_of[i]
@@ -162,7 +162,8 @@ class Engine:
             return
         b.arrived += 1
         if b.arrived == b.size:
-            self.check_later_hooks(i, bw)
+            if not self.warned_later_hooks:
+                self.check_later_hooks(i, bw)
             self.settle(b, bw, complete=True)
 
     def check_later_hooks(self, i: int, bw: Backward) -> None:
