@@ -1,0 +1,135 @@
+"""The memory planner's layouts against measurement: one rank of a DDP job planned on fake tensors, the same job
+run for real on 2 gloo ranks.
+
+    python -m benchmarks.bench_plan_layouts            # the trainer's GPT, DDP's options x clip modes: minutes
+    python -m benchmarks.bench_plan_layouts --quick    # one configuration
+
+The planner plans one representative rank (``dist_optim.plan(..., world_size=2, parallel="ddp")``). The
+measurement runs the planner's own ``Job`` on a real ``DistributedDataParallel`` model on each of 2 spawned gloo
+ranks (each its own micro-batch), two warm-up steps (DDP rebuilds its buckets at the second), then measures a step
+with ``heap_shim.c`` preloaded: the tensor bytes of every thread (gloo's work threads too), their peak above the
+step's start (median of 3 steps) and the live bytes at the start above those before the model was built. Each loop
+runs in its own group of ranks (a loop's model freed late would move the next one's baseline). The profiler's
+peak of the same step (the calling thread only) is recorded beside it: the difference is what gloo's threads
+allocate as tensors, which the plan cannot see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from typing import Any
+
+import torch
+
+from benchmarks import harness as h
+from benchmarks.bench_plan import OPTIMIZER_KWARGS, _builders
+from dist_optim import plan
+from dist_optim._plan import LOOPS, Job
+
+WORLD = 2
+WARMUP = 2  # DDP's first iteration buckets everything at once and rebuilds its buckets at the second forward
+SHAPE = (2, 4, 256, 32, 4)  # n_layer, n_head, n_embd, block_size, batch: 1.7 M parameters, 6.6 MiB of gradients
+# (label, layout options, engine options)
+CONFIGS = [
+    ("ddp, cap 0.5", {"ddp_bucket_cap_mb": 0.5}, {}),
+    ("ddp, cap 0.5, views", {"ddp_bucket_cap_mb": 0.5, "gradient_as_bucket_view": True}, {}),
+    ("ddp, default cap", {}, {}),
+    ("ddp, cap 0.5, exact", {"ddp_bucket_cap_mb": 0.5}, {"max_grad_norm": 0.05, "clip_mode": "exact"}),
+    ("ddp, cap 0.5, two_pass", {"ddp_bucket_cap_mb": 0.5}, {"max_grad_norm": 0.05, "clip_mode": "two_pass"}),
+]
+
+
+def _rank(rank: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One loop's warm step on this rank: live bytes at its start, its peak above the start (all threads; the
+    profiler's too)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    shim = h.HeapShim.loaded()
+    if shim is None:
+        raise RuntimeError("benchmarks/heap_shim.c is not preloaded: the per-rank peak would miss gloo's threads")
+    model_fn, batch_fn, loss = _builders(tuple(args.shape))
+    gc.collect()
+    base = shim.lib.shim_current()
+    torch.manual_seed(0)
+    layout = dict(args.layout)
+    model = DDP(model_fn(), bucket_cap_mb=layout.get("ddp_bucket_cap_mb"),
+                gradient_as_bucket_view=layout.get("gradient_as_bucket_view", False))
+    job = Job(model, args.loop, loss, torch.optim.AdamW, OPTIMIZER_KWARGS, dict(args.engine))
+    torch.manual_seed(100 + rank)  # each rank its own micro-batches
+    for _ in range(WARMUP):
+        job.step([batch_fn()])
+    batches = [batch_fn()]
+    gc.collect()
+    start = shim.lib.shim_current() - base
+    step = shim.peak(lambda: job.step(batches), 3)
+    profiled = h.allocator_peak(lambda: job.step(batches))["peak_bytes"]
+    return {"start_bytes": start, "step_peak_bytes": step["peak_bytes"], "step_peak_each": step["peak_bytes_each"],
+            "profiler_step_peak_bytes": profiled}
+
+
+def measured(shape: tuple[int, ...], layout: dict[str, Any], engine: dict[str, Any]) -> dict[str, list[dict]]:
+    """Per loop, each rank's measured figures (each loop in its own spawned group of ``WORLD`` gloo ranks)."""
+    out = {}
+    for loop in LOOPS:
+        args = argparse.Namespace(device="cpu", threads=1, malloc="pinned", shape=list(shape), loop=loop,
+                                  layout=sorted(layout.items()), engine=sorted(engine.items()))
+        ranks, no_shim = h.spawn(_rank, args, WORLD, heap_shim=True)
+        if no_shim:
+            raise RuntimeError(f"heap shim not preloaded ({no_shim}): no per-rank peak of every thread")
+        out[loop] = ranks
+    return out
+
+
+def compare(shape: tuple[int, ...], layout: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
+    """Planned (one rank) against measured (every rank); ``error`` is (planned - measured) / measured on the rank
+    furthest from the plan."""
+    model_fn, batch_fn, loss = _builders(shape)
+    p = plan(model_fn, batch_fn, loss, torch.optim.AdamW, world_size=WORLD, parallel="ddp", **layout, **engine,
+             **OPTIMIZER_KWARGS)
+    m = measured(shape, layout, engine)
+    res: dict[str, Any] = {"layout": layout, "engine": engine}
+    peaks: dict[str, list[int]] = {}
+    for lp in p.loops():
+        ranks = m[lp.loop]
+        peaks[lp.loop] = [r["start_bytes"] + r["step_peak_bytes"] for r in ranks]
+        worst = max(range(WORLD), key=lambda k: abs(lp.peak_bytes / peaks[lp.loop][k] - 1))
+        r = ranks[worst]
+        res[lp.loop] = {
+            "planned_peak": lp.peak_bytes, "measured_peak": peaks[lp.loop][worst],
+            "planned_start": lp.start_bytes, "measured_start": r["start_bytes"],
+            "planned_step_peak": lp.step_peak_bytes, "measured_step_peak": r["step_peak_bytes"],
+            "error": lp.peak_bytes / peaks[lp.loop][worst] - 1,
+            "step_error": lp.step_peak_bytes / max(1, r["step_peak_bytes"]) - 1,
+            "gloo_threads_bytes": [x["step_peak_bytes"] - x["profiler_step_peak_bytes"] for x in ranks],
+            "breakdown": lp.breakdown, "ranks": ranks,
+        }
+    saving_m = [s - i for s, i in zip(peaks["standard"], peaks["in_backward"])]
+    res["saving"] = {"planned": p.saving_bytes, "measured": saving_m,
+                     "error": [(p.saving_bytes - s) / s if s else None for s in saving_m]}
+    return res
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = h.parser("bench_plan_layouts", __doc__)
+    args = h.parse(p, argv, quick={"threads": 1}, full={"threads": 1})
+    run = h.Run("bench_plan_layouts", args)
+    configs = CONFIGS[:1] if args.quick else CONFIGS
+    rows = {}
+    print(f"{'configuration':<26} {'loop':<12} {'planned':>9} {'measured':>9} {'err':>7}  {'step planned':>12} "
+          f"{'measured':>9}  gloo threads   saving planned / measured MiB")
+    for label, layout, engine in configs:
+        r = rows[label] = compare(SHAPE, layout, engine)
+        s = r["saving"]
+        for loop in LOOPS:
+            x = r[loop]
+            tail = (f"   {h.mib(s['planned'])} / {' '.join(h.mib(v) for v in s['measured'])}"
+                    if loop == "standard" else "")
+            print(f"{label:<26} {loop:<12} {h.mib(x['planned_peak']):>9} {h.mib(x['measured_peak']):>9} "
+                  f"{100 * x['error']:>+6.2f}%  {h.mib(x['planned_step_peak']):>12} {h.mib(x['measured_step_peak']):>9}"
+                  f"  {max(x['gloo_threads_bytes']):>12}{tail}")
+    return run.finish({"shape": list(SHAPE), "world": WORLD, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
