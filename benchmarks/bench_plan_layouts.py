@@ -1,12 +1,13 @@
-"""The memory planner's layouts against measurement: one rank of a DDP job planned on fake tensors, the same job
-run for real on 2 gloo ranks.
+"""The memory planner's layouts against measurement: one rank of a DDP or FSDP2 job planned on fake tensors, the
+same job run for real on 2 gloo ranks.
 
-    python -m benchmarks.bench_plan_layouts            # the trainer's GPT, DDP's options x clip modes: minutes
-    python -m benchmarks.bench_plan_layouts --quick    # one configuration
+    python -m benchmarks.bench_plan_layouts            # the trainer's GPT, DDP's options, FSDP2: many minutes
+    python -m benchmarks.bench_plan_layouts --quick    # one DDP and one FSDP2 configuration
 
-The planner plans one representative rank (``dist_optim.plan(..., world_size=2, parallel="ddp")``). The
-measurement runs the planner's own ``Job`` on a real ``DistributedDataParallel`` model on each of 2 spawned gloo
-ranks (each its own micro-batch), two warm-up steps (DDP rebuilds its buckets at the second), then measures a step
+The planner plans one representative rank (``dist_optim.plan(..., world_size=2, parallel="ddp")``, or
+``"fsdp2"``). The measurement runs the planner's own ``Job`` on a real ``DistributedDataParallel`` model (or one
+``fully_shard``-ed per block, then the root) on each of 2 spawned gloo ranks (each its own micro-batch), two warm-up
+steps (DDP rebuilds its buckets at the second), then measures a step
 with ``heap_shim.c`` preloaded: the tensor bytes of every thread (gloo's work threads too), their peak above the
 step's start (median of 3 steps) and the live bytes at the start above those before the model was built. Each loop
 runs in its own group of ranks (a loop's model freed late would move the next one's baseline). The profiler's
@@ -26,17 +27,23 @@ from benchmarks import harness as h
 from benchmarks.bench_plan import OPTIMIZER_KWARGS, _builders
 from dist_optim import plan
 from dist_optim._plan import LOOPS, Job
+from dist_optim._plan_fsdp2 import shard
 
 WORLD = 2
 WARMUP = 2  # DDP's first iteration buckets everything at once and rebuilds its buckets at the second forward
 SHAPE = (2, 4, 256, 32, 4)  # n_layer, n_head, n_embd, block_size, batch: 1.7 M parameters, 6.6 MiB of gradients
-# (label, layout options, engine options)
+LARGER = (4, 8, 512, 32, 4)  # 12.9 M parameters: FSDP2's gradients above its activations, a saving to measure
+FSDP2 = {"parallel": "fsdp2"}
+# (label, shape, layout options, engine options)
 CONFIGS = [
-    ("ddp, cap 0.5", {"ddp_bucket_cap_mb": 0.5}, {}),
-    ("ddp, cap 0.5, views", {"ddp_bucket_cap_mb": 0.5, "gradient_as_bucket_view": True}, {}),
-    ("ddp, default cap", {}, {}),
-    ("ddp, cap 0.5, exact", {"ddp_bucket_cap_mb": 0.5}, {"max_grad_norm": 0.05, "clip_mode": "exact"}),
-    ("ddp, cap 0.5, two_pass", {"ddp_bucket_cap_mb": 0.5}, {"max_grad_norm": 0.05, "clip_mode": "two_pass"}),
+    ("ddp, cap 0.5", SHAPE, {"ddp_bucket_cap_mb": 0.5}, {}),
+    ("ddp, cap 0.5, views", SHAPE, {"ddp_bucket_cap_mb": 0.5, "gradient_as_bucket_view": True}, {}),
+    ("ddp, default cap", SHAPE, {}, {}),
+    ("ddp, cap 0.5, exact", SHAPE, {"ddp_bucket_cap_mb": 0.5}, {"max_grad_norm": 0.05, "clip_mode": "exact"}),
+    ("ddp, cap 0.5, two_pass", SHAPE, {"ddp_bucket_cap_mb": 0.5}, {"max_grad_norm": 0.05, "clip_mode": "two_pass"}),
+    ("fsdp2, 2 x 256, cap 0.5", SHAPE, FSDP2, {"bucket_cap_mb": 0.5}),
+    ("fsdp2, 4 x 512, cap 0.5", LARGER, FSDP2, {"bucket_cap_mb": 0.5}),
+    ("fsdp2, 4 x 512, exact", LARGER, FSDP2, {"bucket_cap_mb": 0.5, "max_grad_norm": 0.05, "clip_mode": "exact"}),
 ]
 
 
@@ -53,8 +60,13 @@ def _rank(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     base = shim.lib.shim_current()
     torch.manual_seed(0)
     layout = dict(args.layout)
-    model = DDP(model_fn(), bucket_cap_mb=layout.get("ddp_bucket_cap_mb"),
-                gradient_as_bucket_view=layout.get("gradient_as_bucket_view", False))
+    if layout.get("parallel", "ddp") == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        model = shard(model_fn(), init_device_mesh("cpu", (WORLD,)), None)  # the blocks, then the root
+    else:
+        model = DDP(model_fn(), bucket_cap_mb=layout.get("ddp_bucket_cap_mb"),
+                    gradient_as_bucket_view=layout.get("gradient_as_bucket_view", False))
     job = Job(model, args.loop, loss, torch.optim.AdamW, OPTIMIZER_KWARGS, dict(args.engine))
     torch.manual_seed(100 + rank)  # each rank its own micro-batches
     for _ in range(WARMUP):
@@ -85,7 +97,7 @@ def compare(shape: tuple[int, ...], layout: dict[str, Any], engine: dict[str, An
     """Planned (one rank) against measured (every rank); ``error`` is (planned - measured) / measured on the rank
     furthest from the plan."""
     model_fn, batch_fn, loss = _builders(shape)
-    p = plan(model_fn, batch_fn, loss, torch.optim.AdamW, world_size=WORLD, parallel="ddp", **layout, **engine,
+    p = plan(model_fn, batch_fn, loss, torch.optim.AdamW, world_size=WORLD, **{"parallel": "ddp", **layout}, **engine,
              **OPTIMIZER_KWARGS)
     m = measured(shape, layout, engine)
     res: dict[str, Any] = {"layout": layout, "engine": engine}
@@ -114,12 +126,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = h.parser("bench_plan_layouts", __doc__)
     args = h.parse(p, argv, quick={"threads": 1}, full={"threads": 1})
     run = h.Run("bench_plan_layouts", args)
-    configs = CONFIGS[:1] if args.quick else CONFIGS
+    configs = [CONFIGS[0], CONFIGS[5]] if args.quick else CONFIGS
     rows = {}
     print(f"{'configuration':<26} {'loop':<12} {'planned':>9} {'measured':>9} {'err':>7}  {'step planned':>12} "
           f"{'measured':>9}  gloo threads   saving planned / measured MiB")
-    for label, layout, engine in configs:
-        r = rows[label] = compare(SHAPE, layout, engine)
+    for label, shape, layout, engine in configs:
+        r = rows[label] = compare(shape, layout, engine)
         s = r["saving"]
         for loop in LOOPS:
             x = r[loop]
@@ -128,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{label:<26} {loop:<12} {h.mib(x['planned_peak']):>9} {h.mib(x['measured_peak']):>9} "
                   f"{100 * x['error']:>+6.2f}%  {h.mib(x['planned_step_peak']):>12} {h.mib(x['measured_step_peak']):>9}"
                   f"  {max(x['gloo_threads_bytes']):>12}{tail}")
-    return run.finish({"shape": list(SHAPE), "world": WORLD, "rows": rows})
+    return run.finish({"world": WORLD, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -85,6 +85,9 @@ class MemoryTrace(TorchDispatchMode):
                 grown, block.nbytes = nbytes - block.nbytes, nbytes
                 self._add(grown)
             return
+        self._new_block(st, nbytes)
+
+    def _new_block(self, st: torch.UntypedStorage, nbytes: int) -> None:
         block = _Block(nbytes, self.phase)
         self._blocks[st] = block
         self._live[id(block)] = block
@@ -116,6 +119,17 @@ class MemoryTrace(TorchDispatchMode):
         if self._peak_pending:
             self.peak_blocks = [(b, b.nbytes) for b in self._live.values()]  # the sizes then: a resize changes them
             self._peak_pending = False
+
+    def resized(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        """``st`` was resized in place to ``nbytes`` (FSDP2 allocates and frees unsharded parameters so); a storage
+        first met growing is counted from now on."""
+        block = self._blocks.get(st)
+        if block is None:
+            if nbytes:
+                self._new_block(st, nbytes)
+        elif block.nbytes != nbytes:
+            grown, block.nbytes = nbytes - block.nbytes, nbytes
+            self._add(grown)
 
     def block_of(self, t: torch.Tensor) -> _Block | None:
         st = _storage(t)

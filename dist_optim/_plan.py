@@ -3,12 +3,13 @@
 :func:`plan` builds the model under ``FakeTensorMode`` (no real memory), runs a first step to create the optimizer
 state, then traces the storages of a second, warm step: the peak, split into parameters, optimizer state, gradients,
 activations and other, for ``loss.backward(); opt.step(); opt.zero_grad()`` and for ``InBackwardOptimizer``.
-One process, or one representative rank of a DDP job (``world_size``, ``parallel``: ``_plan_layouts``).
+One process, or one representative rank of a DDP or FSDP2 job (``world_size``, ``parallel``: ``_plan_layouts``).
 ``python -m dist_optim.plan`` does it from the command line (``_plan_cli``); this module is the planner.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
@@ -221,8 +222,9 @@ class Job:
 def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any],
                 loss_fn: Callable[[nn.Module, Any], torch.Tensor], optimizer_class: type[torch.optim.Optimizer],
                 optimizer_kwargs: dict[str, Any], engine_options: dict[str, Any],
-                autocast_dtype: torch.dtype | None, layout: Layout) -> tuple[LoopPlan, int]:
+                autocast_dtype: torch.dtype | None, layout: Layout, mesh: Any) -> tuple[LoopPlan, int]:
     from dist_optim._memory_trace import MemoryTrace
+    from dist_optim._plan_fsdp2 import following_resizes, local
     from dist_optim._torch_internals import FakeTensorMode, tree_leaves
 
     micro = engine_options.get("accumulation_steps", 1)
@@ -231,17 +233,23 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
         # only FSDP2's shared reduce-scatter buffers depend on it
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         model = model_fn()
-        n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         trace = MemoryTrace()
 
         def seen(p: torch.Tensor) -> None:
-            block = trace.block_of(p.grad)
+            block = trace.block_of(local(p.grad))
             if block is not None:
                 block.is_grad = True
-        for p in model.parameters():  # before the layout's and the optimizer's hooks, which may free the gradient
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(seen)
-        model = layout.wrap(model)
+
+        def watch(m: nn.Module) -> None:  # before the optimizer's hooks (and DDP's), which may free the gradient
+            for p in m.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(seen)
+        if layout.parallel != "fsdp2":
+            watch(model)
+        model = layout.wrap(model, mesh)
+        if layout.parallel == "fsdp2":  # fully_shard replaced the parameters (sharded; FSDP2 calls their hooks)
+            watch(model)
+        n_params = sum(local(p).numel() for p in model.parameters() if p.requires_grad)  # this rank's
         engine = {**engine_options, **(layout.engine_options() if loop == "in_backward" else {})}
         job = Job(model, loop, loss_fn, optimizer_class, optimizer_kwargs, engine)
         job.autocast = autocast_dtype
@@ -255,8 +263,9 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
         def phase(name: str) -> None:
             trace.phase = name
         job.phase = phase
-        with trace:
-            trace.seed(job.resident() + extra + [t for t in tree_leaves(batches) if isinstance(t, torch.Tensor)])
+        resident = [local(t) for t in job.resident()] + extra
+        with trace, (following_resizes(trace) if layout.parallel == "fsdp2" else contextlib.nullcontext()):
+            trace.seed(resident + [t for t in tree_leaves(batches) if isinstance(t, torch.Tensor)])
             for t in extra:  # DDP's buckets hold gradients
                 trace.block_of(t).is_grad = True
             start = trace.total
@@ -264,8 +273,8 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
             job.step(batches)
             trace.finish()
         # ids of blocks alive now (and so unique): the parameters' and the optimizer state's
-        params = {id(trace.block_of(t)) for t in [*model.parameters(), *model.buffers()]} - {id(None)}
-        state = {id(trace.block_of(v)) for s in job.opt.state.values() for v in s.values()
+        params = {id(trace.block_of(local(t))) for t in [*model.parameters(), *model.buffers()]} - {id(None)}
+        state = {id(trace.block_of(local(v))) for s in job.opt.state.values() for v in s.values()
                  if isinstance(v, torch.Tensor)} - {id(None)}
         breakdown = dict.fromkeys(CATEGORIES, 0)
         for block, nbytes in trace.peak_blocks:
@@ -294,6 +303,7 @@ def plan(
     parallel: str = "none",
     ddp_bucket_cap_mb: float | None = None,
     gradient_as_bucket_view: bool = False,
+    fsdp_units: Callable[[nn.Module], list[nn.Module]] | None = None,
     **optimizer_kwargs: Any,
 ) -> MemoryPlan:
     """Plan one warm training step's memory on this process, for the standard loop and in backward, without
@@ -316,13 +326,16 @@ def plan(
             engine's options (see ``InBackwardOptimizer``); the standard loop clips as ``clip_mode`` says.
         autocast_dtype: run the forward and the loss under ``torch.autocast`` with this dtype (mixed precision:
             the parameters, gradients and state keep theirs).
-        world_size, parallel: the layout, planned for one representative rank: ``"none"`` (one process,
-            ``world_size=1``) or ``"ddp"`` (``DistributedDataParallel`` over ``world_size`` ranks, each on its own
-            ``batch_fn()`` micro-batch; the engine steps DDP's buckets, so ``bucket_cap_mb`` does not apply).
-            Other layouts (``"fsdp2"``, ``"hsdp"``, ``"fsdp2+tp"``, ``"tp"``, ``"pp"``) raise
-            ``NotImplementedError`` naming what is planned.
+        world_size, parallel: the layout, planned for one representative rank, each rank on its own
+            ``batch_fn()`` micro-batch: ``"none"`` (one process, ``world_size=1``), ``"ddp"``
+            (``DistributedDataParallel`` over ``world_size`` ranks; the engine steps DDP's buckets, so
+            ``bucket_cap_mb`` does not apply) or ``"fsdp2"`` (``fully_shard`` over ``world_size`` ranks, on
+            torch's fake process group, which this call initializes and destroys). Other layouts (``"hsdp"``,
+            ``"fsdp2+tp"``, ``"tp"``, ``"pp"``) raise ``NotImplementedError`` naming what is planned.
         ddp_bucket_cap_mb, gradient_as_bucket_view: DDP's options (``None``: its default cap, 25 MiB, with a first
             bucket of 1 MiB).
+        fsdp_units: FSDP2: ``fsdp_units(model)`` lists the modules ``fully_shard``-ed before the root (default: the
+            entries of the ``nn.ModuleList`` holding the most parameters, a transformer's blocks).
         **optimizer_kwargs: ``optimizer_class``'s options (``lr``, ...).
 
     Returns:
@@ -346,13 +359,14 @@ def plan(
         raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
     engine = dict(bucket_cap_mb=bucket_cap_mb, per_parameter=per_parameter, accumulation_steps=accumulation_steps,
                   max_grad_norm=max_grad_norm, clip_mode=clip_mode, track_grad_norm=track_grad_norm)
-    layout = Layout(parallel, world_size, ddp_bucket_cap_mb, gradient_as_bucket_view)
+    layout = Layout(parallel, world_size, ddp_bucket_cap_mb, gradient_as_bucket_view, fsdp_units)
     layout.check(engine)
     plans = {}
-    for loop in LOOPS:
-        plans[loop], n_params = _trace_loop(loop, model_fn, batch_fn, loss_fn, optimizer_class, optimizer_kwargs,
-                                            engine, autocast_dtype, layout)
-    options = {**engine, **vars(layout), "layout": layout.describe(),
+    with layout.group() as mesh:
+        for loop in LOOPS:
+            plans[loop], n_params = _trace_loop(loop, model_fn, batch_fn, loss_fn, optimizer_class,
+                                                optimizer_kwargs, engine, autocast_dtype, layout, mesh)
+    options = {**engine, **layout.recorded(),
                "autocast_dtype": None if autocast_dtype is None else str(autocast_dtype).split(".")[-1],
                "optimizer_class": f"{optimizer_class.__module__}.{optimizer_class.__qualname__}",
                "optimizer_kwargs": {k: v for k, v in optimizer_kwargs.items() if isinstance(v, (int, float, str))}}

@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dist_optim.plan",
         description="Plan one warm training step's memory, standard loop against in backward, on fake tensors "
-                    "(nothing of the model's size is allocated): one process, or one rank of a DDP job (--world, "
-                    "--parallel ddp).",
+                    "(nothing of the model's size is allocated): one process, or one rank of a DDP or FSDP2 job "
+                    "(--world, --parallel).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its folder): "

@@ -1,5 +1,5 @@
-"""World sizes and layouts for the memory planner: one representative rank of a DDP job, planned on fake tensors
-in this one process, without a process group.
+"""World sizes and layouts for the memory planner: one representative rank of a DDP job (here) or of an FSDP2 job
+(``_plan_fsdp2``: FSDP2's own code over torch's fake process group), planned on fake tensors in this one process.
 
 DDP: every rank holds the whole model, its optimizer state, its own micro-batch, and DDP's flat bucket buffers
 (one gradient's worth, alive from construction on). :class:`PlannedDDP` stands in for
@@ -15,7 +15,9 @@ NCCL's own buffers) is not seen: docs/planning.md gives its measured size on CPU
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,9 +27,8 @@ from torch import nn
 
 __all__: list[str] = []
 
-PARALLEL = ("none", "ddp")  # the layouts planned; the others are refused with this list
+PARALLEL = ("none", "ddp", "fsdp2")  # the layouts planned; the others are refused with this list
 NOT_PLANNED = {
-    "fsdp2": "FSDP2's per-rank peak on gloo depends on when its reduce-scatters complete (docs/planning.md)",
     "hsdp": "not built yet",
     "fsdp2+tp": "not built yet",
     "tp": "not built yet",
@@ -44,28 +45,55 @@ class Layout:
     world_size: int = 1
     ddp_bucket_cap_mb: float | None = None  # DDP's bucket_cap_mb (None: its default, 25, with a 1 MiB first bucket)
     gradient_as_bucket_view: bool = False
+    fsdp_units: Callable[[nn.Module], list[nn.Module]] | None = None  # FSDP2: the modules sharded before the root
+
+    def recorded(self) -> dict[str, Any]:
+        """The options as JSON-ready values."""
+        out = {"parallel": self.parallel, "world_size": self.world_size, "layout": self.describe()}
+        if self.parallel == "ddp":
+            out.update(ddp_bucket_cap_mb=self.ddp_bucket_cap_mb, gradient_as_bucket_view=self.gradient_as_bucket_view)
+        return out
 
     def check(self, engine: dict[str, Any]) -> None:
         if self.parallel not in PARALLEL:
             why = NOT_PLANNED.get(self.parallel, "unknown")
             raise NotImplementedError(
                 f"parallel={self.parallel!r} is not planned ({why}); the planner plans parallel in {PARALLEL} "
-                "(one representative rank of a DDP job on world_size ranks)")
+                "(one representative rank of a DDP or FSDP2 job on world_size ranks)")
         if self.world_size < 1 or (self.parallel == "none" and self.world_size != 1):
             raise ValueError(f"world_size={self.world_size} with parallel={self.parallel!r}: one process plans "
-                             "world_size=1; give parallel='ddp' for more ranks")
+                             "world_size=1; give parallel='ddp' or 'fsdp2' for more ranks")
+        if self.parallel != "none" and dist.is_available() and dist.is_initialized():
+            raise RuntimeError(f"plan(parallel={self.parallel!r}) runs without a real process group; call it in a "
+                               "process that has not initialized one")
+        if self.parallel == "fsdp2" and engine.get("accumulation_steps", 1) > 1:
+            raise NotImplementedError("accumulation_steps > 1 with parallel='fsdp2' is not planned yet (not "
+                                      "validated against a measurement)")
         if self.parallel == "ddp":
             if engine.get("accumulation_steps", 1) > 1:
                 raise NotImplementedError(
                     "accumulation_steps > 1 with parallel='ddp': InBackwardOptimizer refuses it under DDP (which "
                     "reduces in every backward; accumulate with no_sync()), and the planner plans what it runs")
-            if dist.is_available() and dist.is_initialized():
-                raise RuntimeError("plan(parallel='ddp') runs without a process group; call it in a process that has "
-                                   "not initialized one (its option check across ranks would use it)")
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    @contextlib.contextmanager
+    def group(self) -> Iterator[Any]:
+        """FSDP2: torch's fake process group of ``world_size`` ranks and a mesh over it, for the planning's
+        duration (``None`` for the other layouts)."""
+        if self.parallel != "fsdp2":
+            yield None
+            return
+        from dist_optim._plan_fsdp2 import fake_group
+
+        with fake_group(self.world_size) as mesh:
+            yield mesh
+
+    def wrap(self, model: nn.Module, mesh: Any) -> nn.Module:
         if self.parallel == "ddp":
             return PlannedDDP(model, self.world_size, self.ddp_bucket_cap_mb, self.gradient_as_bucket_view)
+        if self.parallel == "fsdp2":
+            from dist_optim._plan_fsdp2 import shard
+
+            return shard(model, mesh, self.fsdp_units)
         return model
 
     def engine_options(self) -> dict[str, Any]:
@@ -74,6 +102,10 @@ class Layout:
 
     def not_seen(self) -> tuple[str, ...]:
         """What a rank of this layout holds that the plan cannot see, with its size where it was measured."""
+        if self.parallel == "fsdp2":
+            return ("FSDP2's collectives on gloo: reduce_scatter_tensor allocates a copy of its input and "
+                    "all_gather_into_tensor a flat output beside FSDP2's (measured on 2 gloo ranks; NCCL allocates "
+                    "neither through torch's allocator); the plan's collectives complete at once",)
         if self.parallel != "ddp":
             return ()
         return ("DDP's collectives: on 2 gloo ranks (CPU) they allocated no tensor on gloo's threads (measured, "
