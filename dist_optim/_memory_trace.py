@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from dist_optim._inputs import is_dtensor
 from dist_optim._torch_internals import TorchDispatchMode, tree_iter
 
 __all__: list[str] = []
@@ -35,6 +36,8 @@ class _Block:
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     if not isinstance(t, torch.Tensor) or t.is_sparse:
         return None
+    if is_dtensor(t):  # a wrapper: the memory is its local tensor's (the wrapper's own storage holds nothing)
+        t = t.to_local()
     try:
         return t.untyped_storage()
     except (NotImplementedError, RuntimeError):  # a tensor without storage (a functional wrapper, a nested one)
