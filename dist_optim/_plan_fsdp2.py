@@ -27,9 +27,10 @@ def fake_group(world_size: int) -> Iterator[Any]:
     """A fake process group of ``world_size`` ranks (this process rank 0) and a 1-D CPU mesh over it; destroyed
     after."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    from dist_optim._torch_internals import fake_store
+
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     try:
         yield init_device_mesh("cpu", (world_size,))  # outside FakeTensorMode: the mesh's tensors are real
     finally:

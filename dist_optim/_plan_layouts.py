@@ -25,6 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dist_optim._torch_internals import (DDP_REBUILT_BUCKETS, SKIP_GRAD_WRITEBACK, ddp_bucket_assignment,
+                                         ddp_first_bucket_bytes, ddp_rebuilt_buckets)
+
 __all__: list[str] = []
 
 PARALLEL = ("none", "ddp", "fsdp2")  # the layouts planned; the others are refused with this list
@@ -153,10 +156,8 @@ class _Reducer:
         self.order: list[int] = []  # the order gradients arrived in the first backward (DDP's rebuilt_params_)
         self.buffers: list[torch.Tensor] = []
         self.comm: tuple[Any, Any] | None = None
-        self.in_backward = False
         # DDP's first iteration: one bucket over every parameter (per dtype), in reverse of definition order
-        buckets, _ = dist._compute_bucket_assignment_by_size(params, [sys.maxsize], [False] * len(params))
-        self._initialize(list(reversed(buckets)))
+        self._initialize(list(reversed(ddp_bucket_assignment(params, [sys.maxsize]))))
 
     def _initialize(self, buckets: list[list[int]]) -> None:
         self.buckets = buckets
@@ -182,13 +183,11 @@ class _Reducer:
 
     def rebuild(self) -> bool:
         """DDP's bucket rebuild at the second forward: the order gradients arrived in, ``[first cap, cap]``."""
-        if self.ddp._has_rebuilt_buckets or len(self.order) != len(self.params):
+        if ddp_rebuilt_buckets(self.ddp) or len(self.order) != len(self.params):
             return False
         tensors = [self.params[i] for i in self.order]
-        buckets, _ = dist._compute_bucket_assignment_by_size(tensors, [self.first_cap, self.cap],
-                                                              [False] * len(tensors), self.order)
-        self._initialize(buckets)
-        self.ddp._has_rebuilt_buckets = True
+        self._initialize(ddp_bucket_assignment(tensors, [self.first_cap, self.cap], self.order))
+        setattr(self.ddp, DDP_REBUILT_BUCKETS, True)
         return True
 
     # -- what DDP's Python side and the engine call ----------------------------------------------------------------
@@ -196,12 +195,9 @@ class _Reducer:
         self.pending = [len(b) for b in self.buckets]
         self.next_bucket = 0
 
-    def _set_optimizer_in_backward(self) -> None:
-        pass  # DDP then leaves .grad alone at the end of backward: nothing of memory
-
     def ready(self, i: int, p: torch.Tensor) -> None:
         """Parameter ``i``'s gradient was accumulated (DDP's autograd hook)."""
-        if not self.ddp._has_rebuilt_buckets and i not in self.order:
+        if not ddp_rebuilt_buckets(self.ddp) and i not in self.order:
             self.order.append(i)
         b, v = self.where[i]
         if p.grad is not None and p.grad.untyped_storage() is not v.untyped_storage():
@@ -218,6 +214,11 @@ class _Reducer:
                                     k == len(self.buckets) - 1))
 
 
+# what the engine calls on DDP's reducer (skip_grad_writeback): DDP then leaves .grad alone at the end of backward,
+# nothing of memory
+setattr(_Reducer, SKIP_GRAD_WRITEBACK, lambda self: None)
+
+
 class PlannedDDP(nn.parallel.DistributedDataParallel):
     """A stand-in for ``DistributedDataParallel(module)`` on one rank of ``world_size``, for the planner (see the
     module's docstring); DDP's constructor, which broadcasts and checks shapes across ranks, is not run."""
@@ -232,11 +233,11 @@ class PlannedDDP(nn.parallel.DistributedDataParallel):
         self.process_group = None
         self.parameters_to_ignore: set[str] = set()
         self.require_forward_param_sync = self.require_backward_grad_sync = True
-        self._has_rebuilt_buckets = False
+        setattr(self, DDP_REBUILT_BUCKETS, False)
         self.gradient_as_bucket_view = gradient_as_bucket_view
         params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
         cap = int((_DEFAULT_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * 2**20)
-        first = int(dist._DEFAULT_FIRST_BUCKET_BYTES) if bucket_cap_mb is None else cap
+        first = ddp_first_bucket_bytes() if bucket_cap_mb is None else cap
         self.reducer = _Reducer(self, params, cap, first, gradient_as_bucket_view)
         for i, p in enumerate(params):
             p.register_post_accumulate_grad_hook(lambda p, i=i: self.reducer.ready(i, p))

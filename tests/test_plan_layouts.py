@@ -59,10 +59,14 @@ def test_a_ddp_rank_planned_agrees_with_two_gloo_ranks_measured(label):
 @needs_ranks
 def test_an_fsdp2_rank_planned_agrees_with_two_gloo_ranks_measured():
     _, shape, layout, engine = next(c for c in bench_plan_layouts.CONFIGS if c[0] == "fsdp2, 2 x 256, cap 0.5")
-    res = bench_plan_layouts.compare(shape, layout, engine)
+    # Gloo's per-rank peak is not one number under FSDP2: some steps measure 17.27 MB where the others measure
+    # 14.63 (2.6 MB more, allocated below the dispatcher, where gloo's collectives allocate their temporaries), and
+    # the median of 3 steps was once the higher. The plan (collectives that allocate nothing) is compared with the
+    # lowest of 5 steps on each rank.
+    res = bench_plan_layouts.compare(shape, layout, engine, statistic="min")
     for loop in ("standard", "in_backward"):
         r = res[loop]
-        assert abs(r["error"]) <= AGREEMENT, (loop, r["planned_peak"], r["measured_peak"])
+        assert abs(r["error"]) <= AGREEMENT, (loop, r["planned_peak"], r["measured_peak"], r["ranks"])
         assert abs(r["step_error"]) <= AGREEMENT, (loop, r["planned_step_peak"], r["measured_step_peak"])
         assert abs(r["planned_start"] / r["measured_start"] - 1) <= 0.01  # the shards and their state, to 1 %
     # The saving here is within FSDP2_SAVING_BOUND of the standard peak, not of the saving itself: gloo's
