@@ -17,7 +17,7 @@ import torch
 from dist_optim._buckets import Backward
 from dist_optim._guards import REENTRANT_CHECKPOINT
 from dist_optim._inputs import is_dtensor
-from dist_optim._torch_internals import FORWARD_CLS
+from dist_optim._torch_internals import FORWARD_CLS, is_fake
 
 if TYPE_CHECKING:
     from dist_optim._engine import Engine
@@ -150,7 +150,9 @@ def _storage(grad: torch.Tensor | None) -> tuple[int, bool] | None:
         return None
     local = grad.to_local() if is_dtensor(grad) else grad
     storage = local.untyped_storage()
-    return storage.data_ptr(), storage.nbytes() > local.numel() * local.element_size()
+    # a fake tensor (the memory planner's) has no address: its storage object stands for it (one per storage)
+    where = id(storage) if is_fake(local) else storage.data_ptr()
+    return where, storage.nbytes() > local.numel() * local.element_size()
 
 
 def _leaves_shared_buffer(last: torch.Tensor | None, grad: torch.Tensor | None) -> bool:

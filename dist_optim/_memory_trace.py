@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from dist_optim._inputs import is_dtensor
 from dist_optim._torch_internals import TorchDispatchMode, tree_iter
 
 __all__: list[str] = []
@@ -35,6 +36,8 @@ class _Block:
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     if not isinstance(t, torch.Tensor) or t.is_sparse:
         return None
+    if is_dtensor(t):  # a wrapper: the memory is its local tensor's (the wrapper's own storage holds nothing)
+        t = t.to_local()
     try:
         return t.untyped_storage()
     except (NotImplementedError, RuntimeError):  # a tensor without storage (a functional wrapper, a nested one)
@@ -85,6 +88,9 @@ class MemoryTrace(TorchDispatchMode):
                 grown, block.nbytes = nbytes - block.nbytes, nbytes
                 self._add(grown)
             return
+        self._new_block(st, nbytes)
+
+    def _new_block(self, st: torch.UntypedStorage, nbytes: int) -> None:
         block = _Block(nbytes, self.phase)
         self._blocks[st] = block
         self._live[id(block)] = block
@@ -116,6 +122,17 @@ class MemoryTrace(TorchDispatchMode):
         if self._peak_pending:
             self.peak_blocks = [(b, b.nbytes) for b in self._live.values()]  # the sizes then: a resize changes them
             self._peak_pending = False
+
+    def resized(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        """``st`` was resized in place to ``nbytes`` (FSDP2 allocates and frees unsharded parameters so); a storage
+        first met growing is counted from now on."""
+        block = self._blocks.get(st)
+        if block is None:
+            if nbytes:
+                self._new_block(st, nbytes)
+        elif block.nbytes != nbytes:
+            grown, block.nbytes = nbytes - block.nbytes, nbytes
+            self._add(grown)
 
     def block_of(self, t: torch.Tensor) -> _Block | None:
         st = _storage(t)

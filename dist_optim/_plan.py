@@ -3,17 +3,14 @@
 :func:`plan` builds the model under ``FakeTensorMode`` (no real memory), runs a first step to create the optimizer
 state, then traces the storages of a second, warm step: the peak, split into parameters, optimizer state, gradients,
 activations and other, for ``loss.backward(); opt.step(); opt.zero_grad()`` and for ``InBackwardOptimizer``.
-``python -m dist_optim.plan`` does it from the command line (a Hugging Face ``config.json``, or a builder by name).
-One process only so far. ``dist_optim/plan.py`` is the command line's entry point; this module is the planner.
+One process, or one representative rank of a DDP or FSDP2 job (``world_size``, ``parallel``: ``_plan_layouts``).
+``python -m dist_optim.plan`` does it from the command line (``_plan_cli``); this module is the planner.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
+import contextlib
 import inspect
-import json
-import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +18,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from dist_optim._plan_layouts import Layout
 
 __all__: list[str] = []
 
@@ -97,7 +96,7 @@ class MemoryPlan:
         saving = self.saving_bytes
         pct = 100 * saving / self.standard.peak_bytes if self.standard.peak_bytes else 0.0
         lines.append(f"saving: {saving / MiB:.1f} MiB ({pct:.1f} % of the standard peak), {self.n_params:,} "
-                     "parameters, one process")
+                     f"parameters, {self.options.get('layout', 'one process')}")
         lines += [f"not seen: {why}" for why in self.not_seen]
         return "\n".join(lines)
 
@@ -223,8 +222,9 @@ class Job:
 def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any],
                 loss_fn: Callable[[nn.Module, Any], torch.Tensor], optimizer_class: type[torch.optim.Optimizer],
                 optimizer_kwargs: dict[str, Any], engine_options: dict[str, Any],
-                autocast_dtype: torch.dtype | None) -> tuple[LoopPlan, int]:
+                autocast_dtype: torch.dtype | None, layout: Layout, mesh: Any) -> tuple[LoopPlan, int]:
     from dist_optim._memory_trace import MemoryTrace
+    from dist_optim._plan_fsdp2 import following_resizes, local
     from dist_optim._torch_internals import FakeTensorMode, tree_leaves
 
     micro = engine_options.get("accumulation_steps", 1)
@@ -233,36 +233,48 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
         # only FSDP2's shared reduce-scatter buffers depend on it
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         model = model_fn()
-        n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         trace = MemoryTrace()
 
-        def watch_grads(m: nn.Module) -> None:
-            # registered before the optimizer's own hooks, so the gradient is seen before the engine frees it
-            def seen(p: torch.Tensor) -> None:
-                block = trace.block_of(p.grad)
-                if block is not None:
-                    block.is_grad = True
+        def seen(p: torch.Tensor) -> None:
+            block = trace.block_of(local(p.grad))
+            if block is not None:
+                block.is_grad = True
+
+        def watch(m: nn.Module) -> None:  # before the optimizer's hooks (and DDP's), which may free the gradient
             for p in m.parameters():
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(seen)
-
-        job = Job(model, loop, loss_fn, optimizer_class, optimizer_kwargs, engine_options, watch_grads)
+        if layout.parallel != "fsdp2":
+            watch(model)
+        model = layout.wrap(model, mesh)
+        if layout.parallel == "fsdp2":  # fully_shard replaced the parameters (sharded; FSDP2 calls their hooks)
+            watch(model)
+        n_params = sum(local(p).numel() for p in model.parameters() if p.requires_grad)  # this rank's
+        engine = {**engine_options, **(layout.engine_options() if loop == "in_backward" else {})}
+        job = Job(model, loop, loss_fn, optimizer_class, optimizer_kwargs, engine)
         job.autocast = autocast_dtype
         job.step([batch_fn() for _ in range(micro)])  # the first step creates the optimizer state
         batches = [batch_fn() for _ in range(micro)]
+        extra: list[torch.Tensor] = []
+        if hasattr(model, "bucket_buffers"):  # DDP rebuilds its buckets at the next forward: before the trace
+            model.reducer.rebuild()
+            extra = model.bucket_buffers()
 
         def phase(name: str) -> None:
             trace.phase = name
         job.phase = phase
-        with trace:
-            trace.seed(job.resident() + [t for t in tree_leaves(batches) if isinstance(t, torch.Tensor)])
+        resident = [local(t) for t in job.resident()] + extra
+        with trace, (following_resizes(trace) if layout.parallel == "fsdp2" else contextlib.nullcontext()):
+            trace.seed(resident + [t for t in tree_leaves(batches) if isinstance(t, torch.Tensor)])
+            for t in extra:  # DDP's buckets hold gradients
+                trace.block_of(t).is_grad = True
             start = trace.total
             trace.phase = "forward"
             job.step(batches)
             trace.finish()
         # ids of blocks alive now (and so unique): the parameters' and the optimizer state's
-        params = {id(trace.block_of(t)) for t in [*model.parameters(), *model.buffers()]} - {id(None)}
-        state = {id(trace.block_of(v)) for s in job.opt.state.values() for v in s.values()
+        params = {id(trace.block_of(local(t))) for t in [*model.parameters(), *model.buffers()]} - {id(None)}
+        state = {id(trace.block_of(local(v))) for s in job.opt.state.values() for v in s.values()
                  if isinstance(v, torch.Tensor)} - {id(None)}
         breakdown = dict.fromkeys(CATEGORIES, 0)
         for block, nbytes in trace.peak_blocks:
@@ -287,6 +299,11 @@ def plan(
     clip_mode: str = "exact",
     track_grad_norm: bool = False,
     autocast_dtype: torch.dtype | None = None,
+    world_size: int = 1,
+    parallel: str = "none",
+    ddp_bucket_cap_mb: float | None = None,
+    gradient_as_bucket_view: bool = False,
+    fsdp_units: Callable[[nn.Module], list[nn.Module]] | None = None,
     **optimizer_kwargs: Any,
 ) -> MemoryPlan:
     """Plan one warm training step's memory on this process, for the standard loop and in backward, without
@@ -309,6 +326,16 @@ def plan(
             engine's options (see ``InBackwardOptimizer``); the standard loop clips as ``clip_mode`` says.
         autocast_dtype: run the forward and the loss under ``torch.autocast`` with this dtype (mixed precision:
             the parameters, gradients and state keep theirs).
+        world_size, parallel: the layout, planned for one representative rank, each rank on its own
+            ``batch_fn()`` micro-batch: ``"none"`` (one process, ``world_size=1``), ``"ddp"``
+            (``DistributedDataParallel`` over ``world_size`` ranks; the engine steps DDP's buckets, so
+            ``bucket_cap_mb`` does not apply) or ``"fsdp2"`` (``fully_shard`` over ``world_size`` ranks, on
+            torch's fake process group, which this call initializes and destroys). Other layouts (``"hsdp"``,
+            ``"fsdp2+tp"``, ``"tp"``, ``"pp"``) raise ``NotImplementedError`` naming what is planned.
+        ddp_bucket_cap_mb, gradient_as_bucket_view: DDP's options (``None``: its default cap, 25 MiB, with a first
+            bucket of 1 MiB).
+        fsdp_units: FSDP2: ``fsdp_units(model)`` lists the modules ``fully_shard``-ed before the root (default: the
+            entries of the ``nn.ModuleList`` holding the most parameters, a transformer's blocks).
         **optimizer_kwargs: ``optimizer_class``'s options (``lr``, ...).
 
     Returns:
@@ -316,6 +343,7 @@ def plan(
 
     Raises:
         ValueError: an engine option is out of range (as ``InBackwardOptimizer`` raises it).
+        NotImplementedError: a layout that is not planned, or an option the layout's optimizer refuses.
 
     Example:
         >>> import torch, dist_optim
@@ -331,131 +359,15 @@ def plan(
         raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
     engine = dict(bucket_cap_mb=bucket_cap_mb, per_parameter=per_parameter, accumulation_steps=accumulation_steps,
                   max_grad_norm=max_grad_norm, clip_mode=clip_mode, track_grad_norm=track_grad_norm)
+    layout = Layout(parallel, world_size, ddp_bucket_cap_mb, gradient_as_bucket_view, fsdp_units)
+    layout.check(engine)
     plans = {}
-    for loop in LOOPS:
-        plans[loop], n_params = _trace_loop(loop, model_fn, batch_fn, loss_fn, optimizer_class, optimizer_kwargs,
-                                            engine, autocast_dtype)
-    options = {**engine, "autocast_dtype": None if autocast_dtype is None else str(autocast_dtype).split(".")[-1],
+    with layout.group() as mesh:
+        for loop in LOOPS:
+            plans[loop], n_params = _trace_loop(loop, model_fn, batch_fn, loss_fn, optimizer_class,
+                                                optimizer_kwargs, engine, autocast_dtype, layout, mesh)
+    options = {**engine, **layout.recorded(),
+               "autocast_dtype": None if autocast_dtype is None else str(autocast_dtype).split(".")[-1],
                "optimizer_class": f"{optimizer_class.__module__}.{optimizer_class.__qualname__}",
                "optimizer_kwargs": {k: v for k, v in optimizer_kwargs.items() if isinstance(v, (int, float, str))}}
-    return MemoryPlan(plans["standard"], plans["in_backward"], n_params, options)
-
-
-# -- the command line -----------------------------------------------------------------------------------------------
-def _class(path: str) -> Any:
-    """``torch.optim.AdamW`` or ``package.module:name`` -> the object."""
-    module, _, name = path.rpartition(":") if ":" in path else path.rpartition(".")
-    if not module:
-        raise ValueError(f"expected module.name or module:name, got {path!r}")
-    obj = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _hf_model(config_path: str, dtype: torch.dtype, checkpointing: bool) -> tuple[Callable[[], nn.Module], int]:
-    """A builder of a Hugging Face causal LM from its ``config.json`` (no weights read), and its vocabulary."""
-    try:
-        import transformers
-    except ImportError as e:
-        raise SystemExit(f"--hf-config needs transformers: {e}") from e
-    config = transformers.AutoConfig.from_pretrained(config_path)
-    config.use_cache = False
-
-    def build() -> nn.Module:
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-        if checkpointing:  # non-reentrant, as the engine needs (transformers 5 renamed the method)
-            kwargs = {"use_reentrant": False}
-            if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        return model
-    return build, config.vocab_size
-
-
-def _hf_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    return model(input_ids=batch[0], labels=batch[1]).loss
-
-
-def _logits_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    logits = model(batch[0])
-    return nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m dist_optim.plan",
-        description="Plan one warm training step's memory, standard loop against in backward, on fake tensors "
-                    "(nothing of the model's size is allocated). One process.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its folder): "
-                       "AutoModelForCausalLM.from_config, loss from labels")
-    model.add_argument("--model", metavar="MODULE:CALLABLE", help="a builder of a model mapping token ids "
-                       "(batch, seq) to logits (batch, seq, vocab), called with --model-kwargs, e.g. launch.gpt:GPT")
-    p.add_argument("--model-kwargs", default="{}", metavar="JSON", help="--model's keyword arguments")
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help="--model: token ids drawn below this (default: --model-kwargs' vocab_size)")
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="--hf-config: recompute each decoder layer in backward (gradient_checkpointing_enable)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="the parameters' dtype (the optimizer state follows it)")
-    p.add_argument("--autocast", choices=("bfloat16", "float16"), default=None,
-                   help="the forward under torch.autocast with this dtype (mixed precision)")
-    p.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch")
-    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
-    p.add_argument("--optimizer", default="torch.optim.AdamW", help="the optimizer class, by name")
-    p.add_argument("--lr", type=float, default=1e-3, help="the optimizer's lr (no effect on memory)")
-    p.add_argument("--bucket-cap-mb", type=float, default=4.0, help="the engine's bucket cap, MiB of gradients")
-    p.add_argument("--per-parameter", action="store_true", help="step each parameter on its own in backward")
-    p.add_argument("--accumulation-steps", type=int, default=1, help="micro-batches per step, each --batch-size")
-    p.add_argument("--max-grad-norm", type=float, default=None, help="clip to this global norm (both loops)")
-    p.add_argument("--clip-mode", choices=CLIP_MODES, default="exact", help="how --max-grad-norm clips in backward")
-    p.add_argument("--track-grad-norm", action="store_true", help="measure the global norm every step")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG of both loops' memory timelines (needs matplotlib)")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> MemoryPlan:
-    args = build_parser().parse_args(argv)
-    dtype = getattr(torch, args.dtype)
-    if args.hf_config:
-        model_fn, vocab = _hf_model(args.hf_config, dtype, args.activation_checkpointing)
-        loss_fn: Callable[[nn.Module, Any], torch.Tensor] = _hf_loss
-    else:
-        if args.activation_checkpointing:
-            raise SystemExit("--activation-checkpointing: only with --hf-config (a --model checkpoints itself)")
-        kwargs = json.loads(args.model_kwargs)
-        builder = _class(args.model)
-        vocab = args.vocab_size or kwargs.get("vocab_size")
-        if not vocab:
-            raise SystemExit("--model: give --vocab-size (or vocab_size in --model-kwargs)")
-
-        def model_fn() -> nn.Module:
-            # the default dtype, not .to(dtype): fake parameters cannot be swapped for converted ones
-            before = torch.get_default_dtype()
-            torch.set_default_dtype(dtype)
-            try:
-                return builder(**kwargs)
-            finally:
-                torch.set_default_dtype(before)
-        loss_fn = _logits_loss
-    shape = (args.batch_size, args.seq_len)
-
-    def batch_fn() -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
-
-    result = plan(model_fn, batch_fn, loss_fn, _class(args.optimizer), bucket_cap_mb=args.bucket_cap_mb,
-                  per_parameter=args.per_parameter, accumulation_steps=args.accumulation_steps,
-                  max_grad_norm=args.max_grad_norm, clip_mode=args.clip_mode,
-                  track_grad_norm=args.track_grad_norm,
-                  autocast_dtype=None if args.autocast is None else getattr(torch, args.autocast), lr=args.lr)
-    result.options.update(batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
-                          activation_checkpointing=args.activation_checkpointing,
-                          model=args.hf_config or args.model)
-    if args.plot:
-        result.plot(args.plot)
-    sys.stdout.write((json.dumps(result.to_dict(), indent=2) if args.json else result.table()) + "\n")
-    return result
+    return MemoryPlan(plans["standard"], plans["in_backward"], n_params, options, NOT_SEEN + layout.not_seen())

@@ -195,13 +195,43 @@ def local_used_map(reducer: Any) -> torch.Tensor:
 # Tell DDP's reducer that an optimizer steps in backward, so that it does not write the gradients back to .grad at
 # the end of backward. Public: none yet.
 def skip_grad_writeback(reducer: Any) -> None:
-    reducer._set_optimizer_in_backward()
+    getattr(reducer, SKIP_GRAD_WRITEBACK)()
 
 
 # Whether DDP has rebuilt its buckets from the first iteration's gradient order: two_pass's second backward must not
 # be recorded twice in that order. Public: none yet.
 def ddp_rebuilt_buckets(ddp: Any) -> bool:
-    return getattr(ddp, "_has_rebuilt_buckets", False)
+    return getattr(ddp, DDP_REBUILT_BUCKETS, False)
+
+
+# The names of those two on DDP and its reducer, which the memory planner's stand-in for DDP carries
+# (dist_optim._plan_layouts.PlannedDDP). Public: none yet.
+DDP_REBUILT_BUCKETS = "_has_rebuilt_buckets"
+SKIP_GRAD_WRITEBACK = "_set_optimizer_in_backward"
+
+
+# DDP's bucket assignment by size (the reducer's own: in the given order, each bucket closed once it reaches its
+# limit) and its first bucket's limit at the default bucket_cap_mb: the planner's stand-in lays out its buckets as
+# DDP does (plan(parallel="ddp")). Public: none yet.
+def ddp_bucket_assignment(tensors: list[torch.Tensor], limits: list[int], order: list[int] | None = None
+                          ) -> list[list[int]]:
+    import torch.distributed as dist
+
+    return dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(tensors), order or [])[0]
+
+
+def ddp_first_bucket_bytes() -> int:
+    import torch.distributed as dist
+
+    return int(dist._DEFAULT_FIRST_BUCKET_BYTES)
+
+
+# The store of torch's fake process group, over which the memory planner runs FSDP2's own code for one rank of N
+# (plan(parallel="fsdp2")). Public: none yet.
+def fake_store() -> Any:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
 
 
 # -- FSDP2 (fully_shard) --------------------------------------------------------------------------------------------

@@ -220,6 +220,21 @@ def _check_fake() -> None:
     assert internals.is_fake(t) and not internals.is_fake(torch.zeros(2))
 
 
+def _check_ddp_buckets() -> None:
+    import torch.distributed as dist
+
+    assert internals.ddp_first_bucket_bytes() == dist._DEFAULT_FIRST_BUCKET_BYTES > 0
+    tensors = [torch.empty(300_000), torch.empty(10), torch.empty(200_000)]  # 1.2 MB, then 0.8 MB
+    assert internals.ddp_bucket_assignment(tensors, [2**20, 2**21], [0, 1, 2]) == [[0], [1, 2]]
+    assert internals.ddp_bucket_assignment(tensors, [2**40]) == [[0, 1, 2]]
+
+
+def _check_fake_store() -> None:
+    import torch.distributed as dist
+
+    assert isinstance(internals.fake_store(), dist.Store)
+
+
 def _check_dispatch_and_pytree() -> None:
     seen = []
 
@@ -307,9 +322,9 @@ def _on_a_rank(ctx, entry: str) -> None:
         assert hasattr(d, internals.LOCAL_TENSOR), "a DTensor has no local tensor"
         local = internals.local_tensor(d)
         assert local.data_ptr() == d.to_local().data_ptr() and torch.equal(local, d.to_local())
-    elif entry == "ddp_rebuilt_buckets":
+    elif entry in ("ddp_rebuilt_buckets", "DDP_REBUILT_BUCKETS"):
         ddp = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
-        assert hasattr(ddp, "_has_rebuilt_buckets") and not internals.ddp_rebuilt_buckets(ddp)
+        assert hasattr(ddp, internals.DDP_REBUILT_BUCKETS) and not internals.ddp_rebuilt_buckets(ddp)
     elif entry in ("fsdp_param_groups", "UNSHARDED_PARAM"):
         from torch.distributed.fsdp import fully_shard
 
@@ -454,6 +469,20 @@ CHECKS: dict[str, Entry] = {
         _check_reducer("_set_optimizer_in_backward")),
     "ddp_rebuilt_buckets": Entry(
         None, "two_pass under DDP would record its first iteration's gradient order twice", ON_A_RANK),
+    "DDP_REBUILT_BUCKETS": Entry(
+        None, "two_pass under DDP, and the planner's DDP rank, would lose the rebuilt bucket order", ON_A_RANK),
+    "SKIP_GRAD_WRITEBACK": Entry(
+        f"{_REDUCER}._set_optimizer_in_backward", "DDP would re-create every .grad at the end of backward",
+        _check_reducer("_set_optimizer_in_backward")),
+    "ddp_bucket_assignment": Entry(
+        "torch.distributed._compute_bucket_assignment_by_size", "the planner's DDP rank would not have DDP's buckets",
+        _check_ddp_buckets),
+    "ddp_first_bucket_bytes": Entry(
+        "torch.distributed._DEFAULT_FIRST_BUCKET_BYTES", "the planner's DDP rank would not have DDP's first bucket",
+        _check_ddp_buckets),
+    "fake_store": Entry(
+        "torch.testing._internal.distributed.fake_pg.FakeStore", "the planner could not plan an FSDP2 rank",
+        _check_fake_store),
     # FSDP2, FSDP1
     "fsdp_param_groups": Entry(
         "torch.distributed.fsdp.FSDPModule._get_fsdp_state",

@@ -1,0 +1,154 @@
+"""``python -m dist_optim.plan``: the memory planner's command line (a Hugging Face ``config.json`` or a builder by
+name; the table, JSON or a picture). The planner itself is ``dist_optim._plan``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dist_optim._plan import CLIP_MODES, MemoryPlan, plan
+from dist_optim._plan_layouts import NOT_PLANNED, PARALLEL
+
+__all__: list[str] = []
+
+
+# -- the command line -----------------------------------------------------------------------------------------------
+def _class(path: str) -> Any:
+    """``torch.optim.AdamW`` or ``package.module:name`` -> the object."""
+    module, _, name = path.rpartition(":") if ":" in path else path.rpartition(".")
+    if not module:
+        raise ValueError(f"expected module.name or module:name, got {path!r}")
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _hf_model(config_path: str, dtype: torch.dtype, checkpointing: bool) -> tuple[Callable[[], nn.Module], int]:
+    """A builder of a Hugging Face causal LM from its ``config.json`` (no weights read), and its vocabulary."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise SystemExit(f"--hf-config needs transformers: {e}") from e
+    config = transformers.AutoConfig.from_pretrained(config_path)
+    config.use_cache = False
+
+    def build() -> nn.Module:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        if checkpointing:  # non-reentrant, as the engine needs (transformers 5 renamed the method)
+            kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return model
+    return build, config.vocab_size
+
+
+def _hf_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    return model(input_ids=batch[0], labels=batch[1]).loss
+
+
+def _logits_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    logits = model(batch[0])
+    return nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dist_optim.plan",
+        description="Plan one warm training step's memory, standard loop against in backward, on fake tensors "
+                    "(nothing of the model's size is allocated): one process, or one rank of a DDP or FSDP2 job "
+                    "(--world, --parallel).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its folder): "
+                       "AutoModelForCausalLM.from_config, loss from labels")
+    model.add_argument("--model", metavar="MODULE:CALLABLE", help="a builder of a model mapping token ids "
+                       "(batch, seq) to logits (batch, seq, vocab), called with --model-kwargs, e.g. launch.gpt:GPT")
+    p.add_argument("--model-kwargs", default="{}", metavar="JSON", help="--model's keyword arguments")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="--model: token ids drawn below this (default: --model-kwargs' vocab_size)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="--hf-config: recompute each decoder layer in backward (gradient_checkpointing_enable)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the parameters' dtype (the optimizer state follows it)")
+    p.add_argument("--autocast", choices=("bfloat16", "float16"), default=None,
+                   help="the forward under torch.autocast with this dtype (mixed precision)")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
+    p.add_argument("--optimizer", default="torch.optim.AdamW", help="the optimizer class, by name")
+    p.add_argument("--lr", type=float, default=1e-3, help="the optimizer's lr (no effect on memory)")
+    p.add_argument("--bucket-cap-mb", type=float, default=4.0, help="the engine's bucket cap, MiB of gradients")
+    p.add_argument("--per-parameter", action="store_true", help="step each parameter on its own in backward")
+    p.add_argument("--accumulation-steps", type=int, default=1, help="micro-batches per step, each --batch-size")
+    p.add_argument("--max-grad-norm", type=float, default=None, help="clip to this global norm (both loops)")
+    p.add_argument("--clip-mode", choices=CLIP_MODES, default="exact", help="how --max-grad-norm clips in backward")
+    p.add_argument("--track-grad-norm", action="store_true", help="measure the global norm every step")
+    p.add_argument("--world", type=int, default=1, help="ranks in the job (with --parallel)")
+    p.add_argument("--parallel", choices=(*PARALLEL, *NOT_PLANNED), default="none",
+                   help=f"the layout, planned for one rank; planned: {', '.join(PARALLEL)} (the others are refused, "
+                        "with the reason)")
+    p.add_argument("--ddp-bucket-cap-mb", type=float, default=None,
+                   help="--parallel ddp: DDP's bucket_cap_mb (default: DDP's, 25 MiB with a 1 MiB first bucket)")
+    p.add_argument("--gradient-as-bucket-view", action="store_true",
+                   help="--parallel ddp: DDP's gradient_as_bucket_view=True")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of both loops' memory timelines (needs matplotlib)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> MemoryPlan:
+    args = build_parser().parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    if args.hf_config:
+        model_fn, vocab = _hf_model(args.hf_config, dtype, args.activation_checkpointing)
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] = _hf_loss
+    else:
+        if args.activation_checkpointing:
+            raise SystemExit("--activation-checkpointing: only with --hf-config (a --model checkpoints itself)")
+        kwargs = json.loads(args.model_kwargs)
+        builder = _class(args.model)
+        vocab = args.vocab_size or kwargs.get("vocab_size")
+        if not vocab:
+            raise SystemExit("--model: give --vocab-size (or vocab_size in --model-kwargs)")
+
+        def model_fn() -> nn.Module:
+            # the default dtype, not .to(dtype): fake parameters cannot be swapped for converted ones
+            before = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)
+            try:
+                return builder(**kwargs)
+            finally:
+                torch.set_default_dtype(before)
+        loss_fn = _logits_loss
+    shape = (args.batch_size, args.seq_len)
+
+    def batch_fn() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
+
+    if args.parallel not in PARALLEL:  # refused before anything is built
+        raise SystemExit(f"--parallel {args.parallel}: not planned ({NOT_PLANNED[args.parallel]}); planned: "
+                         f"{', '.join(PARALLEL)}")
+    result = plan(model_fn, batch_fn, loss_fn, _class(args.optimizer), bucket_cap_mb=args.bucket_cap_mb,
+                  per_parameter=args.per_parameter, accumulation_steps=args.accumulation_steps,
+                  max_grad_norm=args.max_grad_norm, clip_mode=args.clip_mode,
+                  track_grad_norm=args.track_grad_norm,
+                  autocast_dtype=None if args.autocast is None else getattr(torch, args.autocast),
+                  world_size=args.world, parallel=args.parallel, ddp_bucket_cap_mb=args.ddp_bucket_cap_mb,
+                  gradient_as_bucket_view=args.gradient_as_bucket_view, lr=args.lr)
+    result.options.update(batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
+                          activation_checkpointing=args.activation_checkpointing,
+                          model=args.hf_config or args.model)
+    if args.plot:
+        result.plot(args.plot)
+    sys.stdout.write((json.dumps(result.to_dict(), indent=2) if args.json else result.table()) + "\n")
+    return result
