@@ -86,6 +86,7 @@ from dist_optim.checkpoint import CheckpointError, CheckpointManager
 from .compare import compare
 from .corpus import Corpus
 from .memory_plan import plan_memory
+from .optimizers import optimizer_class
 from .pipeline import PIPELINED, check_pipeline, stage_group, stage_of
 from .run_log import RunLog
 from .run_dir import plan_run, write_config
@@ -151,9 +152,13 @@ def train(cfg: TrainConfig, rt: Runtime, parallel: str, corpus: Corpus) -> None:
                         f"--lr or clip with --max-grad-norm (the last checkpoint, if any, is from before)")
                 stopping = step < last and term.agreed(rt)
                 if stopping or (cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step == last)):
-                    checkpoints.save(step, model=job.model, optimizer=job.opt, schedulers=[job.sched],
-                                     extra={"parallel": parallel, "optimizer_mode": cfg.optimizer_mode,
-                                            **job.extra_state()})
+                    try:
+                        checkpoints.save(step, model=job.model, optimizer=job.opt, schedulers=[job.sched],
+                                         extra={"parallel": parallel, "optimizer_mode": cfg.optimizer_mode,
+                                                **job.extra_state()})
+                    except NotImplementedError as e:  # states dist_optim.checkpoint cannot save yet (torchao's)
+                        raise LaunchError(f"--optimizer {cfg.optimizer}: cannot checkpoint its states: "
+                                          f"{' '.join(str(e).split())}") from e
                     if pipelined:
                         rt.all_gather(step)  # every stage has committed this step
                         if replica == 0:  # one rank per stage's folder
@@ -197,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger().setLevel(logging.WARNING)
     try:
         parallel = resolve_parallel(cfg.parallel, rt)
+        optimizer_class(cfg.optimizer)  # its package importable
         check_pipeline(cfg, rt, parallel)
         check_tp(cfg, rt, parallel)
         if cfg.compare and (cfg.resume or cfg.checkpoint_every or cfg.overwrite):
