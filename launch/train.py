@@ -1,4 +1,5 @@
-"""Train a small byte-level GPT on the Python stdlib's own sources, with the AdamW step inside the backward pass.
+"""Train a small byte-level GPT on the Python stdlib's own sources, with the optimizer step (AdamW by default)
+inside the backward pass.
 
 The launch manual (run from the repository root, after ``pip install -e '.[job]'``; every flag:
 ``python -m launch.train --help``):
@@ -30,8 +31,14 @@ previous round's store and fail to connect (pytorch/pytorch#135712; multinode_te
 
 Options that change the training loop:
 
-- ``--optimizer-mode standard``: ``loss.backward(); opt.step(); opt.zero_grad()`` with fused ``torch.optim.AdamW``
-  instead of ``dist_optim.InBackwardOptimizer``: the same losses, bitwise where the arithmetic is the same.
+- ``--optimizer adamw|adamw8bit|adamw4bit|lion``: the optimizer class, fused ``torch.optim.AdamW`` by default;
+  torchao's ``AdamW8bit`` and ``AdamW4bit`` (8-bit and 4-bit states) and pytorch-optimizer's ``Lion`` need the
+  ``optimizers`` extra (``pip install -e '.[optimizers]'``; without it, a one-line error). ``--lr``, ``--beta1``,
+  ``--beta2`` and ``--weight-decay`` go to whichever class. A resume keeps the checkpoint's ``--optimizer``; torchao's
+  quantised states cannot be checkpointed yet (``dist_optim.checkpoint`` refuses them: a one-line error at the
+  first save).
+- ``--optimizer-mode standard``: ``loss.backward(); opt.step(); opt.zero_grad()`` with the same class instead of
+  ``dist_optim.InBackwardOptimizer``: the same losses, bitwise where the arithmetic is the same.
 - ``--accumulation-steps K``: K micro-batches per step (``no_sync()`` under DDP, ``set_requires_gradient_sync``
   under FSDP2, ``accumulation_steps=K`` in one process). ``--batch-size`` is the global batch per step; it must
   divide by world size x K, and the batches are the same whatever the world size.
@@ -66,7 +73,9 @@ Options that change the training loop:
 - ``--plan``: plan the job's memory instead of running it (one process): both loops' peaks, their split and the
   saving, from one warm step on fake tensors (``dist_optim.plan``); RUN_DIR/plan.json and plan.png.
 - ``--compare``: train the job with both loops, step by step, and write RUN_DIR/compare/report.md, report.json and
-  compare.png (loss curves, their max difference, step times, per-rank peak memory and one step's memory timeline).
+  compare.png (loss curves, their max difference, step times, per-rank peak memory and one step's memory timeline,
+  and bytes per parameter of both loops: parameters and optimizer states counted from their tensors, then with the
+  profiled step's peak above them).
 
 Output: a progress line per step on rank 0, RUN_DIR/metrics.jsonl (one JSON object per step), TensorBoard events in
 RUN_DIR/tensorboard when TensorBoard is installed, RUN_DIR/config.json (the options in effect). Exit codes: 0 done

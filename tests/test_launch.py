@@ -139,7 +139,8 @@ def test_optimizer_by_name_compares_bitwise_and_reports_bytes_per_param(optimize
         counted = report["persistent_bytes_per_rank"][mode][0]
         assert counted["numel"] == 34688 and counted["params"] == 4 * counted["numel"], counted
         assert report["bytes_per_param"][mode][0] > held[mode][0]
-    assert f"## Bytes per parameter (`--optimizer {optimizer}`)" in (tmp_path / "cmp" / "compare" / "report.md").read_text()
+    markdown = (tmp_path / "cmp" / "compare" / "report.md").read_text()
+    assert f"## Bytes per parameter (`--optimizer {optimizer}`)" in markdown
 
 
 # -- two torchrun processes ---------------------------------------------------------------------------------------
@@ -256,7 +257,7 @@ def test_resume_applies_schedule_options_and_refuses_a_new_model_shape(tmp_path)
     assert "the checkpoint's model has --n-embd 32 (now 64): a resume keeps the model's shape" in err
     if importlib.util.find_spec("pytorch_optimizer") is not None:
         err = _train(tmp_path, "r", "--resume", "latest", "--optimizer", "lion", expect=2).stderr
-        assert "the checkpoint's optimizer states are --optimizer adamw's (now lion): a resume keeps the optimizer" in err
+        assert "the checkpoint's optimizer states are --optimizer adamw's (now lion): a resume keeps" in err
     out = _train(tmp_path, "r", "--resume", "latest", "--lr", "0.001", "--weight-decay", "0.5")
     assert "in effect from step 3: --lr 0.003 -> 0.001, --weight-decay 0.1 -> 0.5" in out.stderr
     assert json.loads((tmp_path / "r" / "config.json").read_text())["lr"] == 0.001
