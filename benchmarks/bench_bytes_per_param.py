@@ -1,7 +1,7 @@
 """Bytes per parameter of a training step: fp32 AdamW and torchao's 8-bit and 4-bit AdamW, in backward and in the
 standard loop, with fp32 parameters, and bf16 parameters with 8-bit states rounded stochastically.
 
-    python -m benchmarks.bench_bytes_per_param           # 100M parameters: a few minutes on 2 cores
+    python -m benchmarks.bench_bytes_per_param           # 100M parameters: 75 minutes on 2 busy cores
     python -m benchmarks.bench_bytes_per_param --quick   # a tiny model: torchao's compiles take most of it
 
 One process. The model: ``--depth`` bias-free ``Linear(--width, --width)`` layers with a GELU between them, so that
