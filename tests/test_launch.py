@@ -143,6 +143,16 @@ def test_optimizer_by_name_compares_bitwise_and_reports_bytes_per_param(optimize
     assert f"## Bytes per parameter (`--optimizer {optimizer}`)" in markdown
 
 
+def test_quantised_states_that_cannot_be_checkpointed_are_a_one_line_error(tmp_path):
+    """dist_optim.checkpoint refuses torchao's quantised states (docs/optimizers.md): the job says so in one line,
+    exit code 2, at its first save. (When DCP support for them lands, this becomes a resume test.)"""
+    pytest.importorskip("torchao.optim")
+    err = _train(tmp_path, "r", "--optimizer", "adamw8bit", "--steps", "2", "--checkpoint-every", "1", expect=2).stderr
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("launch.train: error: --optimizer adamw8bit: cannot checkpoint its states: ") and (
+        "OptimState8bit" in last), err[-2000:]
+
+
 # -- two torchrun processes ---------------------------------------------------------------------------------------
 def _check_report(tmp: pathlib.Path, run: str, parallel: str) -> dict:
     report = json.loads((tmp / run / "compare" / "report.json").read_text())
