@@ -19,6 +19,7 @@ import statistics
 from typing import Any
 
 from .memory_peak import allocator_peak
+from .optimizers import bytes_markdown, bytes_per_param, persistent_bytes
 from .runtime import Runtime
 from .train_config import TrainConfig
 from .train_loop import Job
@@ -75,6 +76,8 @@ def compare(cfg: TrainConfig, rt: Runtime, parallel: str, corpus) -> dict[str, A
     per_rank = rt.all_gather({m: {k: v for k, v in memory[m].items() if k != "timeline"} for m in MODES})
     grad_bytes = rt.all_gather(_grad_bytes(jobs["in_backward"]))
     report = _report(cfg, rt, parallel, results, per_rank, grad_bytes, profile_at)
+    held = rt.all_gather({m: persistent_bytes(list(jobs[m].model.parameters()), jobs[m].opt) for m in MODES})
+    report.update(bytes_per_param(held, report["peak_memory_bytes_per_rank"]))
     if rt.is_main:
         out = pathlib.Path(cfg.run_dir) / "compare"
         out.mkdir(parents=True, exist_ok=True)
@@ -149,6 +152,7 @@ and the profiled step not timed).
 |---|---|---|---|---|---|
 {rows}
 
+{bytes_markdown(r)}
 Plot: `compare.png` (loss curves; allocated bytes during the profiled step, rank 0).
 """
 

@@ -17,6 +17,7 @@ import dist_optim
 
 from .corpus import VOCAB_SIZE
 from .gpt import from_config, loss_fn
+from .optimizers import optimizer_class, optimizer_kwargs
 from .runtime import LaunchError
 from .train_config import TrainConfig
 
@@ -41,9 +42,9 @@ def plan_memory(cfg: TrainConfig) -> dist_optim.MemoryPlan:
 
     plan = dist_optim.plan(
         lambda: from_config(cfg.to_dict(), VOCAB_SIZE), batch, lambda model, b: loss_fn(model(b[0]), b[1]),
-        torch.optim.AdamW, bucket_cap_mb=cfg.bucket_cap_mb, accumulation_steps=cfg.accumulation_steps,
+        optimizer_class(cfg.optimizer), bucket_cap_mb=cfg.bucket_cap_mb, accumulation_steps=cfg.accumulation_steps,
         max_grad_norm=cfg.max_grad_norm, clip_mode=cfg.clip_mode, track_grad_norm=cfg.track_grad_norm,
-        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
+        **optimizer_kwargs(cfg.optimizer, cfg, torch.device("cpu")),
     )
     plan.options.update(micro_batch=list(shape), **{k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd",
                                                                               "block_size", "tie_weights")})

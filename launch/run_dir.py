@@ -68,6 +68,10 @@ def _changes(cfg: TrainConfig, path: pathlib.Path) -> list[str]:
     if shape:
         raise LaunchError(f"the checkpoint's model has {', '.join(shape)}: a resume keeps the model's shape; drop "
                           "those options, or start a fresh run in another --run-dir")
+    was = old.get("optimizer", "adamw")  # runs from before --optimizer trained with AdamW
+    if was != new["optimizer"]:
+        raise LaunchError(f"the checkpoint's optimizer states are --optimizer {was}'s (now {new['optimizer']}): a "
+                          "resume keeps the optimizer; drop --optimizer, or start a fresh run in another --run-dir")
     return [f"{_flag(k)} {old[k]} -> {new[k]}" for k in new
             if k not in PROCESS_OPTIONS and k in old and old[k] != new[k]]
 

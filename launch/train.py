@@ -1,4 +1,5 @@
-"""Train a small byte-level GPT on the Python stdlib's own sources, with the AdamW step inside the backward pass.
+"""Train a small byte-level GPT on the Python stdlib's own sources, with the optimizer step (AdamW by default)
+inside the backward pass.
 
 The launch manual (run from the repository root, after ``pip install -e '.[job]'``; every flag:
 ``python -m launch.train --help``):
@@ -30,8 +31,14 @@ previous round's store and fail to connect (pytorch/pytorch#135712; multinode_te
 
 Options that change the training loop:
 
-- ``--optimizer-mode standard``: ``loss.backward(); opt.step(); opt.zero_grad()`` with fused ``torch.optim.AdamW``
-  instead of ``dist_optim.InBackwardOptimizer``: the same losses, bitwise where the arithmetic is the same.
+- ``--optimizer adamw|adamw8bit|adamw4bit|lion``: the optimizer class, fused ``torch.optim.AdamW`` by default;
+  torchao's ``AdamW8bit`` and ``AdamW4bit`` (8-bit and 4-bit states) and pytorch-optimizer's ``Lion`` need the
+  ``optimizers`` extra (``pip install -e '.[optimizers]'``; without it, a one-line error). ``--lr``, ``--beta1``,
+  ``--beta2`` and ``--weight-decay`` go to whichever class. A resume keeps the checkpoint's ``--optimizer``; torchao's
+  quantised states are checkpointed as their codes and scales and resume exactly (under FSDP2, on the same number of
+  processes only).
+- ``--optimizer-mode standard``: ``loss.backward(); opt.step(); opt.zero_grad()`` with the same class instead of
+  ``dist_optim.InBackwardOptimizer``: the same losses, bitwise where the arithmetic is the same.
 - ``--accumulation-steps K``: K micro-batches per step (``no_sync()`` under DDP, ``set_requires_gradient_sync``
   under FSDP2, ``accumulation_steps=K`` in one process). ``--batch-size`` is the global batch per step; it must
   divide by world size x K, and the batches are the same whatever the world size.
@@ -66,7 +73,9 @@ Options that change the training loop:
 - ``--plan``: plan the job's memory instead of running it (one process): both loops' peaks, their split and the
   saving, from one warm step on fake tensors (``dist_optim.plan``); RUN_DIR/plan.json and plan.png.
 - ``--compare``: train the job with both loops, step by step, and write RUN_DIR/compare/report.md, report.json and
-  compare.png (loss curves, their max difference, step times, per-rank peak memory and one step's memory timeline).
+  compare.png (loss curves, their max difference, step times, per-rank peak memory and one step's memory timeline,
+  and bytes per parameter of both loops: parameters and optimizer states counted from their tensors, then with the
+  profiled step's peak above them).
 
 Output: a progress line per step on rank 0, RUN_DIR/metrics.jsonl (one JSON object per step), TensorBoard events in
 RUN_DIR/tensorboard when TensorBoard is installed, RUN_DIR/config.json (the options in effect). Exit codes: 0 done
@@ -86,6 +95,7 @@ from dist_optim.checkpoint import CheckpointError, CheckpointManager
 from .compare import compare
 from .corpus import Corpus
 from .memory_plan import plan_memory
+from .optimizers import optimizer_class
 from .pipeline import PIPELINED, check_pipeline, stage_group, stage_of
 from .run_log import RunLog
 from .run_dir import plan_run, write_config
@@ -151,9 +161,13 @@ def train(cfg: TrainConfig, rt: Runtime, parallel: str, corpus: Corpus) -> None:
                         f"--lr or clip with --max-grad-norm (the last checkpoint, if any, is from before)")
                 stopping = step < last and term.agreed(rt)
                 if stopping or (cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step == last)):
-                    checkpoints.save(step, model=job.model, optimizer=job.opt, schedulers=[job.sched],
-                                     extra={"parallel": parallel, "optimizer_mode": cfg.optimizer_mode,
-                                            **job.extra_state()})
+                    try:
+                        checkpoints.save(step, model=job.model, optimizer=job.opt, schedulers=[job.sched],
+                                         extra={"parallel": parallel, "optimizer_mode": cfg.optimizer_mode,
+                                                **job.extra_state()})
+                    except NotImplementedError as e:  # states dist_optim.checkpoint cannot save (a subclass it cannot flatten)
+                        raise LaunchError(f"--optimizer {cfg.optimizer}: cannot checkpoint its states: "
+                                          f"{' '.join(str(e).split())}") from e
                     if pipelined:
                         rt.all_gather(step)  # every stage has committed this step
                         if replica == 0:  # one rank per stage's folder
@@ -197,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger().setLevel(logging.WARNING)
     try:
         parallel = resolve_parallel(cfg.parallel, rt)
+        optimizer_class(cfg.optimizer)  # its package importable
         check_pipeline(cfg, rt, parallel)
         check_tp(cfg, rt, parallel)
         if cfg.compare and (cfg.resume or cfg.checkpoint_every or cfg.overwrite):

@@ -15,6 +15,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from .optimizers import OPTIMIZERS
+
 __all__ = ["MODEL_SHAPE", "PROCESS_OPTIONS", "TrainConfig", "parse_config"]
 
 # the options a checkpoint's tensors are shaped by: a resumed run cannot change them
@@ -49,9 +51,12 @@ class TrainConfig:
     lr: float = _opt(3e-3, "peak learning rate")
     min_lr_ratio: float = _opt(0.1, "final lr as a fraction of --lr (cosine decay)")
     warmup_steps: int = _opt(20, "linear warm-up steps")
-    weight_decay: float = _opt(0.1, "AdamW weight decay")
-    beta1: float = _opt(0.9, "AdamW beta1")
-    beta2: float = _opt(0.95, "AdamW beta2")
+    optimizer: str = _opt("adamw", "the optimizer class, in backward and in the standard loop alike: "
+                                   + "; ".join(f"{k}: {v.what}" for k, v in OPTIMIZERS.items())
+                                   + " (all but adamw need the optimizers extra)", tuple(OPTIMIZERS))
+    weight_decay: float = _opt(0.1, "weight decay (decoupled, as AdamW's)")
+    beta1: float = _opt(0.9, "the optimizer's beta1")
+    beta2: float = _opt(0.95, "the optimizer's beta2")
     max_grad_norm: float | None = _opt(None, "clip gradients to this global norm (off by default)")
     clip_mode: str = _opt("exact", "how --max-grad-norm clips in backward (docs/clipping.md); the standard loop "
                                     "does the same arithmetic",
@@ -59,7 +64,8 @@ class TrainConfig:
     track_grad_norm: bool = _opt(False, "log the gradient norm every step even without clipping (one more read of "
                                         "the gradients)")
     optimizer_mode: str = _opt("in_backward", "in_backward: dist_optim.InBackwardOptimizer; standard: "
-                                              "loss.backward(); opt.step(); opt.zero_grad()",
+                                              "loss.backward(); opt.step(); opt.zero_grad() with the same "
+                                              "--optimizer class",
                                ("in_backward", "standard"))
     bucket_cap_mb: float = _opt(4.0, "in-backward bucket size in MiB of gradients")
     # parallelism

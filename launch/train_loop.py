@@ -1,8 +1,9 @@
 """One training job: the model, its optimizer (in backward, or the standard loop), the LR schedule, and one
 optimizer step over the step's micro-batches, with clipping and the gradient norm.
 
-Both optimizer modes do the same arithmetic: fused AdamW, the same clipping formula, the same lr per step, so
-their losses are bitwise equal where the wrapper reduces in the same order (checked by ``--compare``).
+Both optimizer modes do the same arithmetic: the same ``--optimizer`` class and options (fused AdamW by default),
+the same clipping formula, the same lr per step, so their losses are bitwise equal where the wrapper reduces in the
+same order and the class steps each tensor on its own (checked by ``--compare``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import dist_optim
 
 from .corpus import VOCAB_SIZE, Corpus
 from .gpt import from_config, loss_fn
+from .optimizers import optimizer_class, optimizer_kwargs
 from .pipeline import PIPELINED, build_pipeline, run_schedule
 from .runtime import LaunchError, Runtime, sync_context, wrap
 from .tensor_parallel import check_tp, data_parallel
@@ -78,32 +80,32 @@ class Job:
         # --parallel pp, pp+fsdp2: every rank builds the whole model (the same initial weights) and keeps its stage
         self.pipe = build_pipeline(model, cfg, rt, parallel) if parallel in PIPELINED else None
         self.model = self.pipe.module if self.pipe is not None else wrap(model, parallel, rt, tp_size)
-        adamw = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "weight_decay": cfg.weight_decay}
+        cls = optimizer_class(cfg.optimizer)
+        options = optimizer_kwargs(cfg.optimizer, cfg, rt.device)
         if mode == "in_backward" and self.pipe is not None:
             clip = {"max_grad_norm": cfg.max_grad_norm, "clip_mode": cfg.clip_mode} if cfg.max_grad_norm else {}
             try:
                 (self.opt,) = dist_optim.pipeline_optimizers(
-                    self.pipe.schedule, torch.optim.AdamW, bucket_cap_mb=cfg.bucket_cap_mb,
-                    track_grad_norm=cfg.track_grad_norm, **clip, **adamw,
+                    self.pipe.schedule, cls, bucket_cap_mb=cfg.bucket_cap_mb,
+                    track_grad_norm=cfg.track_grad_norm, **clip, **options,
                 )
             except (ValueError, NotImplementedError) as e:
                 raise LaunchError(f"dist_optim refuses this setting: {e}") from e
         elif mode == "in_backward":
             try:
                 self.opt = dist_optim.InBackwardOptimizer(
-                    self.model, torch.optim.AdamW,
+                    self.model, cls,
                     bucket_cap_mb=cfg.bucket_cap_mb,
                     # wrappers accumulate through their own no-sync switch, TP alone through opt.no_step() (below),
                     # one process through the engine's count
                     accumulation_steps=cfg.accumulation_steps if parallel == "none" else 1,
                     max_grad_norm=cfg.max_grad_norm, clip_mode=cfg.clip_mode,
-                    track_grad_norm=cfg.track_grad_norm, **adamw,
+                    track_grad_norm=cfg.track_grad_norm, **options,
                 )
             except (ValueError, NotImplementedError, RuntimeError) as e:
                 raise LaunchError(f"dist_optim refuses this setting: {e}") from e
         else:
-            fused = rt.device.type in ("cpu", "cuda")
-            self.opt = torch.optim.AdamW(self.model.parameters(), fused=fused, **adamw)
+            self.opt = cls(self.model.parameters(), **options)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             # a partial has no state for LambdaLR to save: the schedule comes from the config, also on resume
             self.opt, functools.partial(warmup_cosine, warmup=cfg.warmup_steps, total=cfg.steps,
@@ -118,8 +120,11 @@ class Job:
         cfg = self.cfg
         self.sched.base_lrs = [cfg.lr for _ in self.opt.param_groups]
         for group, fn in zip(self.opt.param_groups, self.sched.lr_lambdas):
-            group.update(initial_lr=cfg.lr, lr=cfg.lr * fn(self.sched.last_epoch), betas=(cfg.beta1, cfg.beta2),
-                         weight_decay=cfg.weight_decay)
+            lr = cfg.lr * fn(self.sched.last_epoch)
+            if isinstance(group["lr"], torch.Tensor):  # torchao keeps lr in a tensor its compiled step reads
+                group["lr"].fill_(lr)
+                lr = group["lr"]
+            group.update(initial_lr=cfg.lr, lr=lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
 
     def extra_state(self) -> dict:
         """What a checkpoint needs besides the model, optimizer and schedule: the standard loop's previous gradient
@@ -137,7 +142,7 @@ class Job:
         """One optimizer step: every micro-batch of global batch ``step``, then the step (in backward, or after)."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        lr = self.opt.param_groups[0]["lr"]
+        lr = float(self.opt.param_groups[0]["lr"])
         if self.pipe is not None:
             # each pipeline replica takes its part of the global batch (the whole of it under pp), as fsdp2's ranks
             # do: the first stage reads x, the last y, the schedule splits them into micro-batches

@@ -4,6 +4,7 @@ ranks under FSDP2 and DDP) checked against the standard loop and against an unin
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import math
 import os
@@ -97,6 +98,7 @@ def test_bad_flag_is_one_line_and_exit_code_2():
     (["--max-grad-norm", "-1"], "max_grad_norm must be > 0 and finite (or none), got -1.0"),
     (["--lr", "inf"], "lr must be > 0 and finite, got inf"),
     (["--beta2", "1"], "beta1 and beta2 must be in [0, 1), got 0.9 and 1.0"),
+    (["--optimizer", "sgd"], "argument --optimizer: invalid choice: 'sgd'"),
 ])
 def test_bad_value_is_one_line_and_exit_code_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -128,12 +130,58 @@ def test_single_process_in_backward_equals_standard_and_resumes_bitwise(tmp_path
     report = json.loads((tmp_path / "cmp" / "compare" / "report.json").read_text())
     full = report["losses"]["in_backward"]
     assert len(full) == 6 and report["losses_bitwise_equal"] and full == report["losses"]["standard"]
+    # fused AdamW: 4 bytes of parameter and 8 of state a parameter (and a 4-byte step count a tensor)
+    for mode in ("standard", "in_backward"):
+        held = report["params_and_states_bytes_per_param"][mode][0]
+        assert 12 <= held < 12.02 and report["bytes_per_param"][mode][0] > held, (mode, report["bytes_per_param"])
     # interrupted after step 2, then resumed: the same losses as never stopping
     _train(tmp_path, "part", *opts, "--stop-after", "2", "--checkpoint-every", "2")
     assert len(_losses(tmp_path, "part")) == 3
     out = _train(tmp_path, "part", *opts, "--resume", "latest")
     assert "resumed from" in out.stderr and "step_00000002" in out.stderr
     assert _losses(tmp_path, "part") == full
+
+
+def test_missing_optimizer_package_is_one_line_naming_the_extra(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pytorch_optimizer", None)  # import fails, as when it is not installed
+    assert train.main([*TINY, "--run-dir", str(tmp_path / "r"), "--optimizer", "lion"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(
+        "launch.train: error: --optimizer lion needs the pytorch_optimizer package") and "'.[optimizers]'" in err
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(("optimizer", "module"), [("adamw8bit", "torchao.optim"), ("lion", "pytorch_optimizer")])
+def test_optimizer_by_name_compares_bitwise_and_reports_bytes_per_param(optimizer, module, tmp_path):
+    """The class the name maps to, in both loops: bitwise equal losses in one process (torchao's AdamW8bit and
+    pytorch-optimizer's Lion step each tensor on its own: docs/optimizers.md), and bytes per parameter in the
+    report: fewer than AdamW's 12 for the parameters and states (8-bit states: 2 bytes and scales where a tensor
+    has 4096 elements or more, 32-bit below; Lion: one 4-byte state)."""
+    pytest.importorskip(module)
+    _train(tmp_path, "cmp", "--optimizer", optimizer, "--compare")
+    report = json.loads((tmp_path / "cmp" / "compare" / "report.json").read_text())
+    assert report["config"]["optimizer"] == optimizer
+    assert report["losses_bitwise_equal"] and report["max_abs_loss_diff"] == 0.0
+    assert report["losses"]["in_backward"][-1] < report["losses"]["in_backward"][0]  # it trains
+    held = report["params_and_states_bytes_per_param"]
+    assert held["standard"] == held["in_backward"] and 6 < held["standard"][0] < 12, held
+    for mode in ("standard", "in_backward"):
+        counted = report["persistent_bytes_per_rank"][mode][0]
+        assert counted["numel"] == 34688 and counted["params"] == 4 * counted["numel"], counted
+        assert report["bytes_per_param"][mode][0] > held[mode][0]
+    markdown = (tmp_path / "cmp" / "compare" / "report.md").read_text()
+    assert f"## Bytes per parameter (`--optimizer {optimizer}`)" in markdown
+
+
+def test_quantised_states_resume_exactly(tmp_path):
+    """torchao's quantised states go through dist_optim.checkpoint (codes and scales, rebuilt as the same class): a
+    run stopped after 2 steps and resumed gives the losses of the run that never stopped, bitwise."""
+    pytest.importorskip("torchao.optim")
+    opts = ("--optimizer", "adamw8bit", "--steps", "4")
+    _train(tmp_path, "full", *opts)
+    _train(tmp_path, "part", *opts, "--stop-after", "2", "--checkpoint-every", "2")
+    _train(tmp_path, "part", *opts, "--resume", "latest")
+    assert _losses(tmp_path, "part") == _losses(tmp_path, "full")
 
 
 # -- two torchrun processes ---------------------------------------------------------------------------------------
@@ -248,6 +296,9 @@ def test_resume_applies_schedule_options_and_refuses_a_new_model_shape(tmp_path)
     _train(tmp_path, "r", "--stop-after", "2", "--checkpoint-every", "3")
     err = _train(tmp_path, "r", "--resume", "latest", "--n-embd", "64", expect=2).stderr
     assert "the checkpoint's model has --n-embd 32 (now 64): a resume keeps the model's shape" in err
+    if importlib.util.find_spec("pytorch_optimizer") is not None:
+        err = _train(tmp_path, "r", "--resume", "latest", "--optimizer", "lion", expect=2).stderr
+        assert "the checkpoint's optimizer states are --optimizer adamw's (now lion): a resume keeps" in err
     out = _train(tmp_path, "r", "--resume", "latest", "--lr", "0.001", "--weight-decay", "0.5")
     assert "in effect from step 3: --lr 0.003 -> 0.001, --weight-decay 0.1 -> 0.5" in out.stderr
     assert json.loads((tmp_path / "r" / "config.json").read_text())["lr"] == 0.001
