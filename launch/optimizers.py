@@ -60,9 +60,12 @@ def optimizer_kwargs(name: str, cfg: Any, device: torch.device) -> dict[str, Any
 
 def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors behind ``t``: a DTensor's local shard, a quantised state's codes, scales and code map."""
+    if hasattr(t, "to_local") and hasattr(t, "placements"):  # a DTensor: this rank's shard
+        return plain_tensors(t.to_local())
     if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()
-        return [x for n in names for x in plain_tensors(getattr(t, n))]
+        inner = [getattr(t, n) for n in names]
+        return [x for v in inner if isinstance(v, torch.Tensor) for x in plain_tensors(v)]
     return [t]
 
 
