@@ -222,23 +222,33 @@ def _accelerate(accelerator: Any, opt: Any, point: str) -> tuple[str, str, list[
     """``accelerate.Accelerator``: a backward it does not sync (``accumulate()``) must not step; clipping the loop
     calls after backward (accelerate has no clipping setting, so the loop's code is read for the calls)."""
     wrong, logs = [], []
-    # Read from the loop's code, so a call in a branch that never runs is named too: a warning, not a refusal.
+    # Read from the loop's code, so a call in a branch that never runs is named too (the message says so): a call
+    # that would fail inside torch or clip what the optimizer does not is refused before anything steps.
     loop = _loop_names(accelerator) if point == "backward" else set()
+    read = ("(read from the loop's code: if the call is in a branch that never runs, the adapter checks it only "
+            "when it runs)")
     if "clip_grad_value_" in loop:
-        logs.append(
-            "the loop's code calls accelerator.clip_grad_value_, which after backward finds no gradient (this "
-            "optimizer has stepped on them and freed them), and torch's clip_grad_value_ fails on the empty list "
-            "('Expected !nested_tensorlist[0].empty()'): drop the call, "
-            + ("the optimizer's max_grad_value clamps inside backward" if opt.max_grad_value is not None else
-               "and give the optimizer max_grad_value=<its clip_value>")
+        wrong.append(
+            "the loop's code calls accelerator.clip_grad_value_, which runs after backward, where this optimizer has "
+            "already stepped on the gradients and freed them: torch's clip_grad_value_ then fails on the empty "
+            "gradient list ('Expected !nested_tensorlist[0].empty()'). Drop the call"
+            + (f" (the optimizer's max_grad_value={opt.max_grad_value} clamps inside backward)"
+               if opt.max_grad_value is not None else " and give the optimizer max_grad_value=<its clip_value>")
+            + f" {read}"
         )
     if "clip_grad_norm_" in loop:
-        logs.append(
-            "the loop's code calls accelerator.clip_grad_norm_, which after backward finds no gradient, clips nothing "
-            "and returns 0.0: " + ("the optimizer's max_grad_norm clips inside backward and opt.grad_norm is the norm"
-                                   if opt.max_grad_norm is not None else
-                                   "give the optimizer max_grad_norm=<its max_norm> and drop the call")
-        )
+        if opt.max_grad_norm is None:
+            wrong.append(
+                "the loop's code calls accelerator.clip_grad_norm_, which runs after backward, where this optimizer "
+                "has already stepped on unclipped gradients and freed them (it clips nothing and returns 0.0): give "
+                f"the optimizer max_grad_norm=<its max_norm> and drop the call {read}"
+            )
+        else:
+            logs.append(
+                "the loop's code calls accelerator.clip_grad_norm_, which after backward finds no gradient, clips "
+                "nothing and returns 0.0: the optimizer's max_grad_norm clips inside backward and opt.grad_norm is "
+                "the norm"
+            )
     if point == "backward" and not accelerator.sync_gradients:
         k = accelerator.gradient_accumulation_steps
         wrong.append(

@@ -186,18 +186,68 @@ def test_accelerate_accumulation_mirrored_is_equal():
     assert_same_state(opt.state_dict(), ref_opt.state_dict())
 
 
-def test_accelerate_clipping_calls_in_the_loop_are_named_at_the_first_backward():
-    # accelerate has no clipping setting: the loop's own calls are read from its code. clip_grad_value_ after an
-    # in-backward step fails inside torch on the empty gradient list; the warning before it says why and the fix.
-    with pytest.warns(UserWarning, match=r"calls accelerator.clip_grad_value_, which after backward finds no "
-                                         r"gradient.*drop the call, the optimizer's max_grad_value clamps"):
-        with pytest.raises(RuntimeError, match="nested_tensorlist"):
-            acc.run(Accelerator, True, clip="value")
+def value_clipping_loop(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """A plain accelerate loop that clamps after backward, as accelerate's docs write it."""
+    accelerator = Accelerator(cpu=True)
+    model, opt, dl = accelerator.prepare(model, opt, acc.loader())
+    for x, y in dl:
+        accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+        accelerator.clip_grad_value_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+
+
+def norm_clipping_loop(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The same loop clipping by norm; returns the norms accelerate reported."""
+    accelerator = Accelerator(cpu=True)
+    model, opt, dl = accelerator.prepare(model, opt, acc.loader())
+    norms = []
+    for x, y in dl:
+        accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+        norms.append(accelerator.clip_grad_norm_(model.parameters(), 1.0))
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+@pytest.mark.parametrize("max_grad_value", [0.05, None], ids=["optimizer-clamps", "optimizer-does-not"])
+def test_accelerate_clip_grad_value_in_the_loop_is_refused_before_anything_steps(max_grad_value):
+    # accelerate has no clipping setting: the loop's own calls are read from its code. Its clip_grad_value_ after an
+    # in-backward step would fail inside torch on the empty gradient list: refused at the first backward instead.
+    model = make_model()
+    before = snapshot(model)
+    opt = dist_optim.InBackwardOptimizer(model, torch.optim.AdamW, max_grad_value=max_grad_value, **acc.ADAMW)
+    fix = ("Drop the call \\(the optimizer's max_grad_value=0.05 clamps inside backward\\)" if max_grad_value else
+           "Drop the call and give the optimizer max_grad_value=<its clip_value>")
+    with pytest.raises(ValueError, match=r"calls accelerator\.clip_grad_value_, which runs after backward.*"
+                                         r"nested_tensorlist.*" + fix + r" \(read from the loop's code.*" + FIX
+                                         + r"hf_accelerate\.InBackwardAccelerator"):
+        value_clipping_loop(model, opt)
+    assert_untouched(model, before)
+
+
+def test_accelerate_clip_grad_norm_in_the_loop_is_refused_when_the_optimizer_does_not_clip():
+    model = make_model()
+    before = snapshot(model)
+    opt = dist_optim.InBackwardOptimizer(model, torch.optim.AdamW, **acc.ADAMW)
+    with pytest.raises(ValueError, match=r"calls accelerator\.clip_grad_norm_, .*clips nothing and returns 0\.0\): "
+                                         r"give the optimizer max_grad_norm=<its max_norm> and drop the call"
+                                         + FIX + r"hf_accelerate\.InBackwardAccelerator"):
+        norm_clipping_loop(model, opt)
+    assert_untouched(model, before)
+
+
+def test_accelerate_clip_grad_norm_in_the_loop_with_the_optimizer_clipping_warns_and_equals_the_standard_loop():
+    ref = make_model()
+    ref_norms = norm_clipping_loop(ref, torch.optim.AdamW(ref.parameters(), **acc.ADAMW))
     acc.reset_accelerate()
+    model = make_model()
+    opt = dist_optim.InBackwardOptimizer(model, torch.optim.AdamW, max_grad_norm=1.0, **acc.ADAMW)
     with pytest.warns(UserWarning, match=r"calls accelerator.clip_grad_norm_, .*returns 0.0: the optimizer's "
                                          r"max_grad_norm clips inside backward"):
-        _, _, norms = acc.run(Accelerator, True, clip="norm")
-    assert all(n.item() == 0.0 for n in norms)
+        norms = norm_clipping_loop(model, opt)
+    assert all(n.item() == 0.0 for n in norms) and any(n.item() > 1.0 for n in ref_norms)  # the reference clipped
+    assert_same_params(model, ref)
 
 
 # -- torchtune ---------------------------------------------------------------------------------------------------------
