@@ -7,6 +7,9 @@ state tensors created from the checkpoint's metadata (a fresh optimizer has no s
 
 from __future__ import annotations
 
+import inspect
+import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +19,7 @@ from torch import nn
 from .._inputs import is_dtensor
 from ..optimizer import InBackwardOptimizer
 from ._names import canonical_names
-from . import _ranks, _subclass_state
+from . import _ranks, _reshard, _subclass_state
 from ._request import LoadRequest, SaveRequest
 from ._storage import CheckpointError
 from ._transfer import Snapshot, Source
@@ -95,6 +98,7 @@ def collect(req: SaveRequest, snap: Snapshot) -> None:
                                                                                         snap.tensors)
     # every rank's description: a sharded (FSDP2) state keeps each rank's own shapes. Collective.
     merged = _subclass_state.merge(_ranks.all_gather(subclass_states, req.process_group))
+    plain_shards: dict[str, dict[str, Any]] = {}
     for group_names, g, cls in zip(names, optimizer.param_groups, group_classes(optimizer)):
         for name, p in zip(group_names, g["params"]):
             for key, v in optimizer.state.get(p, {}).items():
@@ -102,7 +106,8 @@ def collect(req: SaveRequest, snap: Snapshot) -> None:
                     continue
                 if merged.get(name, {}).get(key, {}).get("layout") == "sharded":
                     # quantised on other ranks, plain here (a shard too small to quantise): stored with them
-                    _subclass_state.collect_plain_shard(name, key, v, rank, snap.tensors)
+                    plain_shards.setdefault(name, {})[key] = _subclass_state.collect_plain_shard(
+                        name, key, v, rank, snap.tensors)
                 elif isinstance(v, torch.Tensor) and v.dim() > 0 or is_dtensor(v):
                     snap.tensors[f"optim/{name}/{key}"] = v
                 elif isinstance(v, torch.Tensor):
@@ -111,6 +116,8 @@ def collect(req: SaveRequest, snap: Snapshot) -> None:
                     values.setdefault(name, {})[key] = v
         groups.append({**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": group_names,
                        OPTIMIZER_CLASS_KEY: cls})
+    if _subclass_state.has_plain_shards(merged):  # the same on every rank. Collective.
+        _subclass_state.merge_plain_shards(merged, _ranks.all_gather(plain_shards, req.process_group))
     saved = {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}", "param_groups": groups,
              "values": values}
     if merged:
@@ -119,6 +126,43 @@ def collect(req: SaveRequest, snap: Snapshot) -> None:
     if in_backward:
         saved[IN_BACKWARD_KEY] = in_backward
     snap.plain["optimizer"] = saved
+
+
+def torchao_block_sizes(optimizer: torch.optim.Optimizer) -> list[int | None]:
+    """Per param group, the block size of torchao's quantising Adam class that steps it (``None``: another class,
+    or torchao's that never quantises): what decides which of its states torchao would quantise."""
+    base = getattr(sys.modules.get("torchao.optim.adam"), "_AdamBase", None)
+    in_backward = isinstance(optimizer, InBackwardOptimizer)
+    classes = optimizer.optimizer_classes if in_backward else (type(optimizer),) * len(optimizer.param_groups)
+    out: list[int | None] = []
+    for cls in classes:
+        if not (isinstance(base, type) and issubclass(cls, base)):
+            out.append(None)
+            continue
+        if in_backward:
+            # torchao keeps block_size on the instance, not in the groups: the facade's recipe holds the class's
+            # constructor options (a group with its own class takes the class's defaults)
+            default = inspect.signature(cls).parameters.get("block_size")
+            block = optimizer._recipe.kwargs_for(cls).get("block_size", getattr(default, "default", None))
+        else:
+            block = getattr(optimizer, "block_size", None)
+        out.append(block if isinstance(block, int) and not isinstance(block, bool) else None)
+    return out
+
+
+def _check_plain(block: int, key: str, target: str, p: torch.Tensor, misfits: list[str],
+                 layouts: list[tuple[_reshard.Layout, int | None]]) -> None:
+    """A plain saved state of torchao's that this layout would quantise somewhere (the reverse of a quantised
+    state cut into plain pieces): refused, as quantising it would change its values."""
+    here = _reshard.target_of(p)
+    if here is None:
+        return  # a layout this module does not cut: the state loads as saved (plain) where its shapes allow
+    shape = tuple(p.shape)
+    lay = _reshard.Layout(shape, (_reshard.Piece(0, math.prod(shape), False, label="the saved state"),), None)
+    layouts.append((lay, block))
+    bad = _reshard.misfit(lay, here[0], block)
+    if bad is not None:
+        misfits.append(f"{key!r} of {target} (saved plain): {bad}")
 
 
 def _new_state_tensor(md: Any, p: torch.Tensor) -> torch.Tensor:
@@ -143,9 +187,13 @@ def plan(req: LoadRequest, src: Source) -> Callable[[], None] | None:
     subclass_states = saved.get(_subclass_state.PLAIN_KEY) or {}
     rank, world = _ranks.rank(req.process_group), _ranks.world(req.process_group)
     rebuilds: list[tuple[dict[str, Any], str, Callable[[], torch.Tensor]]] = []  # (entry, key, rebuild after read)
+    misfits: list[str] = []  # torchao states this layout cannot hold exactly, refused together
+    layouts: list[tuple[_reshard.Layout, int | None]] = []  # every torchao state's, with its block size: for the advice
+    uncut = 0  # subclass states saved on a layout that is not cut (they load on it only): the advice leaves them out
     state: dict[int, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
     index = 0
+    blocks = torchao_block_sizes(optimizer)
     for gi, (row, g, cls) in enumerate(zip(names, optimizer.param_groups, group_classes(optimizer))):
         sources = [mapping[t] for t in row if t in mapping]
         saved_cls = saved["param_groups"][saved_group_of[sources[0]]].get(OPTIMIZER_CLASS_KEY) if sources else None
@@ -164,8 +212,18 @@ def plan(req: LoadRequest, src: Source) -> Callable[[], None] | None:
                     key = f"optim/{s}/{sk}"
                     entry[sk] = _new_state_tensor(src.tensor_meta(key), p)
                     src.read_into(key, entry[sk], f"optimizer state {sk!r} of {t}")
+                    if blocks[gi] is not None and sk in _reshard.BUFFER_KEYS:
+                        _check_plain(blocks[gi], sk, t, p, misfits, layouts)
                 for sk, saved_entry in subclass_states.get(s, {}).items():
-                    rebuilds.append((entry, sk, _subclass_state.plan(saved_entry, s, sk, t, p, rank, world, src)))
+                    lay = _subclass_state.layout(saved_entry, s, sk, src)
+                    if lay is not None:
+                        layouts.append((lay, blocks[gi] if blocks[gi] is not None else lay.block))
+                    uncut += lay is None
+                    try:
+                        rebuilds.append((entry, sk, _subclass_state.plan(saved_entry, s, sk, t, p, rank, world, src,
+                                                                         blocks[gi])))
+                    except _subclass_state.Misfit as e:
+                        misfits.append(str(e))
                     entry[sk] = None  # rebuilt after the read
                 if entry:
                     state[index] = entry
@@ -177,6 +235,17 @@ def plan(req: LoadRequest, src: Source) -> Callable[[], None] | None:
                  if k not in IMPLEMENTATION_KEYS and k not in ("params", OPTIMIZER_CLASS_KEY)}
         start = index - len(row)
         groups.append({**{k: v for k, v in g.items() if k != "params"}, **hyper, "params": list(range(start, index))})
+    if misfits:
+        shown = misfits[:5] + ([f"... and {len(misfits) - 5} more"] if len(misfits) > 5 else [])
+        where = (f"load exactly {_reshard.loadable(layouts, int(src.plain.get('world_size', 1)))}" if not uncut
+                 else "load exactly on the saving job's layout only (some were saved on placements that are not cut)")
+        raise CheckpointError(
+            f"{req.path}: {len(misfits)} low-bit optimizer state(s) cannot be loaded exactly on this layout "
+            f"({world} rank(s)); nothing was loaded:\n  " + "\n  ".join(shown) + "\nThe saved codes and scales "
+            "could only be re-quantised (or de-quantised) to fill them, which changes the values. This checkpoint's "
+            f"low-bit states {where}; or load the weights only (load(path, model=model)) and start the optimizer "
+            "afresh"
+        )
     state_dict: dict[str, Any] = {"state": state, "param_groups": groups}
     if saved.get(IN_BACKWARD_KEY):
         state_dict[IN_BACKWARD_KEY] = saved[IN_BACKWARD_KEY]

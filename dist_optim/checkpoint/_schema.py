@@ -73,7 +73,7 @@ def _check_optimizer(c: _Checker, opt: Any) -> None:
                            lambda v: v in ("replicated", "sharded")) and d["layout"] == "sharded":
                     c.field(d, "world_size", f"{where}.world_size", "an int >= 1", lambda v: _is_int(v) and v >= 1)
                     c.field(d, "ranks", f"{where}.ranks",
-                            "a list with a dict per saved rank (null where the rank's shard was plain)",
+                            "a list with a dict per saved rank (null: a plain shard, in older checkpoints)",
                             lambda v: isinstance(v, list) and len(v) == d.get("world_size")
                             and all(r is None or _str_keyed(r) for r in v))
                 elif d.get("layout") == "replicated":
