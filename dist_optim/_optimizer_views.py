@@ -81,6 +81,14 @@ class OptionsAndTelemetry:
         return tuple(self._recipe.classes)
 
     @property
+    def optimizer_kwargs(self) -> tuple[dict[str, Any], ...]:
+        """The constructor options each param group's class is built with besides the group's own keys (the
+        ``**optimizer_kwargs`` given for ``optimizer_class``; ``{}`` for a group with its own class, which takes
+        that class's defaults), in ``param_groups`` order (read-only copies). Checkpoints read options a class
+        keeps on the instance (torchao's ``block_size``)."""
+        return tuple(dict(self._recipe.kwargs_for(cls)) for cls in self._recipe.classes)
+
+    @property
     def kernels(self) -> tuple[dict[str, bool], ...]:
         """The kernel flag chosen for each param group that left both ``fused`` and ``foreach`` unset
         (``{"fused": True}`` or ``{"foreach": True}``; ``{}``: the group's own flags, or the class's default), in

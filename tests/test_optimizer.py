@@ -418,3 +418,15 @@ def test_kernels_says_the_flag_chosen_for_each_group_that_left_both_unset():
     assert opt.kernels[1] == {"fused": True}
     sgd = InBackwardOptimizer(make_model().parameters(), torch.optim.SGD, lr=0.1)
     assert sgd.kernels == ({"foreach": True},)  # never fused SGD
+
+
+def test_optimizer_classes_and_kwargs_per_group():
+    model = make_model()
+    params = list(model.parameters())
+    opt = InBackwardOptimizer(
+        [{"params": params[:2]}, {"params": params[2:], "optimizer_class": torch.optim.SGD, "lr": 0.1}],
+        torch.optim.AdamW, lr=1e-3, betas=(0.8, 0.9))
+    assert opt.optimizer_classes == (torch.optim.AdamW, torch.optim.SGD)
+    assert opt.optimizer_kwargs == ({"lr": 1e-3, "betas": (0.8, 0.9)}, {})
+    opt.optimizer_kwargs[0]["lr"] = 5.0  # a copy: the optimizer keeps its own
+    assert opt.optimizer_kwargs[0]["lr"] == 1e-3

@@ -134,16 +134,17 @@ def torchao_block_sizes(optimizer: torch.optim.Optimizer) -> list[int | None]:
     base = getattr(sys.modules.get("torchao.optim.adam"), "_AdamBase", None)
     in_backward = isinstance(optimizer, InBackwardOptimizer)
     classes = optimizer.optimizer_classes if in_backward else (type(optimizer),) * len(optimizer.param_groups)
+    options = optimizer.optimizer_kwargs if in_backward else ({},) * len(classes)
     out: list[int | None] = []
-    for cls in classes:
+    for cls, kwargs in zip(classes, options):
         if not (isinstance(base, type) and issubclass(cls, base)):
             out.append(None)
             continue
         if in_backward:
-            # torchao keeps block_size on the instance, not in the groups: the facade's recipe holds the class's
-            # constructor options (a group with its own class takes the class's defaults)
+            # torchao keeps block_size on the instance, not in the groups: the class's constructor options (a
+            # group with its own class takes the class's defaults)
             default = inspect.signature(cls).parameters.get("block_size")
-            block = optimizer._recipe.kwargs_for(cls).get("block_size", getattr(default, "default", None))
+            block = kwargs.get("block_size", getattr(default, "default", None))
         else:
             block = getattr(optimizer, "block_size", None)
         out.append(block if isinstance(block, int) and not isinstance(block, bool) else None)
