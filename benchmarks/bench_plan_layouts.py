@@ -54,9 +54,7 @@ def _rank(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     profiler's too)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    shim = h.HeapShim.loaded()
-    if shim is None:
-        raise RuntimeError("benchmarks/heap_shim.c is not preloaded: the per-rank peak would miss gloo's threads")
+    shim = h.HeapShim.required()
     model_fn, batch_fn, loss = _builders(tuple(args.shape))
     gc.collect()
     base = shim.lib.shim_current()
@@ -74,12 +72,7 @@ def _rank(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(WARMUP):
         job.step([batch_fn()])
     batches = [batch_fn()]
-    gc.collect()
-    start = shim.lib.shim_current() - base
-    step = shim.peak(lambda: job.step(batches), STEPS)
-    profiled = h.allocator_peak(lambda: job.step(batches))["peak_bytes"]
-    return {"start_bytes": start, "step_peak_bytes": step["peak_bytes"], "step_peak_each": step["peak_bytes_each"],
-            "profiler_step_peak_bytes": profiled}
+    return shim.warm_step(lambda: job.step(batches), base, STEPS)
 
 
 def measured(shape: tuple[int, ...], layout: dict[str, Any], engine: dict[str, Any]) -> dict[str, list[dict]]:

@@ -173,6 +173,24 @@ class HeapShim:
         path = os.environ.get("DIST_OPTIM_BENCH_HEAP_SHIM")
         return cls(path) if path else None
 
+    @classmethod
+    def required(cls) -> HeapShim:
+        """The preloaded shim, or a RuntimeError: a rank's peak without it would miss gloo's threads."""
+        shim = cls.loaded()
+        if shim is None:
+            raise RuntimeError("benchmarks/heap_shim.c is not preloaded: the per-rank peak would miss gloo's threads")
+        return shim
+
+    def warm_step(self, step: Fn, base: int, times: int) -> dict[str, Any]:
+        """A warm ``step``'s figures on this rank: the live bytes at its start above ``base`` (every thread's
+        tensors), its peak above the start (the median of ``times`` steps, each kept), and the profiler's peak of
+        one more (the calling thread only: the difference is what other threads allocate as tensors)."""
+        gc.collect()
+        start = self.lib.shim_current() - base
+        peak = self.peak(step, times)
+        return {"start_bytes": start, "step_peak_bytes": peak["peak_bytes"], "step_peak_each": peak["peak_bytes_each"],
+                "profiler_step_peak_bytes": allocator_peak(step)["peak_bytes"]}
+
     def peak(self, fn: Fn, times: int) -> dict[str, Any]:
         """Median over ``times`` calls of ``fn`` of the peak above the call's start (gloo's timing moves it by a
         block now and then)."""

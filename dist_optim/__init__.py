@@ -4,6 +4,7 @@ from dist_optim._factory import in_backward
 from dist_optim._grad_policy import StepStats
 from dist_optim._options import InBackwardOptions
 from dist_optim._plan import LoopPlan, MemoryPlan, plan
+from dist_optim._plan_pipeline import PipelinePlan
 from dist_optim._seed_pair import apply_optimizer_in_backward, get_in_backward_optimizers
 from dist_optim.averaging import average_in_backward
 from dist_optim.optimizer import InBackwardOptimizer
@@ -14,6 +15,7 @@ __all__ = [
     "InBackwardOptions",
     "LoopPlan",
     "MemoryPlan",
+    "PipelinePlan",
     "StepStats",
     "apply_optimizer_in_backward",
     "average_in_backward",

@@ -3,7 +3,8 @@
 :func:`plan` builds the model under ``FakeTensorMode`` (no real memory), runs a first step to create the optimizer
 state, then traces the storages of a second, warm step: the peak, split into parameters, optimizer state, gradients,
 activations and other, for ``loss.backward(); opt.step(); opt.zero_grad()`` and for ``InBackwardOptimizer``.
-One process, or one representative rank of a DDP or FSDP2 job (``world_size``, ``parallel``: ``_plan_layouts``).
+One process, or one representative rank of a DDP or FSDP2 job (``world_size``, ``parallel``: ``_plan_layouts``), or
+every stage rank of a pipeline (``_plan_pipeline``).
 ``python -m dist_optim.plan`` does it from the command line (``_plan_cli``); this module is the planner.
 """
 
@@ -133,6 +134,13 @@ def _default_kernel(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) ->
     return {"foreach": True} if "foreach" in names else {}
 
 
+def in_backward_kernel(opt: Any) -> str:
+    """The kernel an ``InBackwardOptimizer`` steps with: fused, foreach or for-loop."""
+    pairs = list(zip(opt.kernels, opt.param_groups))
+    return ("fused" if any(k.get("fused") or g.get("fused") for k, g in pairs) else
+            "foreach" if any(k.get("foreach") or g.get("foreach") for k, g in pairs) else "for-loop")
+
+
 class Job:
     """A model, its optimizer in one loop (``"standard"`` or ``"in_backward"``) and one optimizer step over
     micro-batches: what :func:`plan` traces on fake tensors and a validation runs for real."""
@@ -151,22 +159,22 @@ class Job:
         self.autocast: torch.dtype | None = None  # the forward's autocast dtype, if any
         if before_optimizer is not None:
             before_optimizer(model)
-        if loop == "in_backward":
-            from dist_optim.optimizer import InBackwardOptimizer
-
-            self.opt: torch.optim.Optimizer = InBackwardOptimizer(model, optimizer_class, **engine_options,
-                                                                  **optimizer_kwargs)
-            kernels = self.opt.kernels
-            groups = self.opt.param_groups
-            self.kernel = ("fused" if any(k.get("fused") or g.get("fused") for k, g in zip(kernels, groups)) else
-                           "foreach" if any(k.get("foreach") or g.get("foreach") for k, g in zip(kernels, groups))
-                           else "for-loop")
-        else:
-            kw = {**_default_kernel(optimizer_class, optimizer_kwargs), **optimizer_kwargs}
-            self.opt = optimizer_class([p for p in model.parameters() if p.requires_grad], **kw)
-            self.kernel = "fused" if kw.get("fused") else "foreach" if kw.get("foreach") else "for-loop"
+        self.opt: torch.optim.Optimizer = self._optimizer(optimizer_class, optimizer_kwargs, engine_options)
         self._previous_norm: torch.Tensor | None = None
         self.phase: Callable[[str], None] = lambda name: None  # told where the step is (the planner's trace)
+
+    def _optimizer(self, optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
+                   engine_options: dict[str, Any]) -> torch.optim.Optimizer:
+        """The loop's optimizer over the model (``self.kernel`` set to the kernel it steps with)."""
+        if self.loop == "in_backward":
+            from dist_optim.optimizer import InBackwardOptimizer
+
+            opt = InBackwardOptimizer(self.model, optimizer_class, **engine_options, **optimizer_kwargs)
+            self.kernel = in_backward_kernel(opt)
+            return opt
+        kw = {**_default_kernel(optimizer_class, optimizer_kwargs), **optimizer_kwargs}
+        self.kernel = "fused" if kw.get("fused") else "foreach" if kw.get("foreach") else "for-loop"
+        return optimizer_class([p for p in self.model.parameters() if p.requires_grad], **kw)
 
     def step(self, batches: Sequence[Any]) -> None:
         """One optimizer step over ``batches`` (its micro-batches, ``accumulation_steps`` of them)."""
@@ -184,6 +192,10 @@ class Job:
             else:
                 loss.backward()
             del loss
+        self._standard_step()
+
+    def _standard_step(self) -> None:
+        """The standard loop's step after its backwards: clipping, ``opt.step()``, ``opt.zero_grad()``."""
         if self.loop == "standard":
             self.phase("step")
             self._clip()
@@ -272,18 +284,26 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
             trace.phase = "forward"
             job.step(batches)
             trace.finish()
-        # ids of blocks alive now (and so unique): the parameters' and the optimizer state's
-        params = {id(trace.block_of(local(t))) for t in [*model.parameters(), *model.buffers()]} - {id(None)}
-        state = {id(trace.block_of(local(v))) for s in job.opt.state.values() for v in s.values()
-                 if isinstance(v, torch.Tensor)} - {id(None)}
-        breakdown = dict.fromkeys(CATEGORIES, 0)
-        for block, nbytes in trace.peak_blocks:
-            key = id(block)
-            category = ("parameters" if key in params else "optimizer_state" if key in state else
-                        "gradients" if block.is_grad else "activations" if block.phase == "forward" else "other")
-            breakdown[category] += nbytes
-        assert sum(breakdown.values()) == trace.peak, (breakdown, trace.peak)
-        return LoopPlan(loop, trace.peak, start, breakdown, trace.peak_phase, job.kernel, trace.timeline), n_params
+        return loop_plan(loop, trace, start, model, job), n_params
+
+
+def loop_plan(loop: str, trace: Any, start: int, model: nn.Module, job: Job) -> LoopPlan:
+    """A traced loop's plan: its peak split into CATEGORIES (``model``'s parameters and buffers, ``job``'s optimizer
+    state, the blocks that were a ``.grad``, those made in the forward, the rest)."""
+    from dist_optim._plan_fsdp2 import local
+
+    # ids of blocks alive now (and so unique): the parameters' and the optimizer state's
+    params = {id(trace.block_of(local(t))) for t in [*model.parameters(), *model.buffers()]} - {id(None)}
+    state = {id(trace.block_of(local(v))) for s in job.opt.state.values() for v in s.values()
+             if isinstance(v, torch.Tensor)} - {id(None)}
+    breakdown = dict.fromkeys(CATEGORIES, 0)
+    for block, nbytes in trace.peak_blocks:
+        key = id(block)
+        category = ("parameters" if key in params else "optimizer_state" if key in state else
+                    "gradients" if block.is_grad else "activations" if block.phase == "forward" else "other")
+        breakdown[category] += nbytes
+    assert sum(breakdown.values()) == trace.peak, (breakdown, trace.peak)
+    return LoopPlan(loop, trace.peak, start, breakdown, trace.peak_phase, job.kernel, trace.timeline)
 
 
 def plan(
@@ -304,6 +324,9 @@ def plan(
     ddp_bucket_cap_mb: float | None = None,
     gradient_as_bucket_view: bool = False,
     fsdp_units: Callable[[nn.Module], list[nn.Module]] | None = None,
+    n_microbatches: int = 4,
+    pp_schedule: str = "1F1B",
+    pp_stage_fn: Callable[[nn.Module, int, int], nn.Module] | None = None,
     **optimizer_kwargs: Any,
 ) -> MemoryPlan:
     """Plan one warm training step's memory on this process, for the standard loop and in backward, without
@@ -330,16 +353,23 @@ def plan(
             ``batch_fn()`` micro-batch: ``"none"`` (one process, ``world_size=1``), ``"ddp"``
             (``DistributedDataParallel`` over ``world_size`` ranks; the engine steps DDP's buckets, so
             ``bucket_cap_mb`` does not apply) or ``"fsdp2"`` (``fully_shard`` over ``world_size`` ranks, on
-            torch's fake process group, which this call initializes and destroys). Other layouts (``"hsdp"``,
-            ``"fsdp2+tp"``, ``"tp"``, ``"pp"``) raise ``NotImplementedError`` naming what is planned.
+            torch's fake process group, which this call initializes and destroys), or ``"pp"`` (a pipeline of
+            ``world_size`` stages, one per rank: every stage planned, see ``pp_stage_fn``). Other layouts
+            (``"hsdp"``, ``"fsdp2+tp"``, ``"tp"``) raise ``NotImplementedError`` naming what is planned.
         ddp_bucket_cap_mb, gradient_as_bucket_view: DDP's options (``None``: its default cap, 25 MiB, with a first
             bucket of 1 MiB).
         fsdp_units: FSDP2: ``fsdp_units(model)`` lists the modules ``fully_shard``-ed before the root (default: the
             entries of the ``nn.ModuleList`` holding the most parameters, a transformer's blocks).
+        n_microbatches, pp_schedule, pp_stage_fn: ``"pp"``: the schedule's micro-batches per step and its
+            ``torch.distributed.pipelining`` name (``"1F1B"``, the trainer's default, or ``"GPipe"``; the others
+            raise ``NotImplementedError``), and ``pp_stage_fn(model, stage_index, num_stages)``, a stage's module
+            cut from the whole model (required). There ``batch_fn()`` makes one micro-batch ``(inputs, target)``
+            and ``loss_fn(output, target)`` is the schedule's loss on the last stage.
         **optimizer_kwargs: ``optimizer_class``'s options (``lr``, ...).
 
     Returns:
-        A :class:`MemoryPlan`: each loop's peak, its split, the saving, bytes per parameter, both timelines.
+        A :class:`MemoryPlan`: each loop's peak, its split, the saving, bytes per parameter, both timelines. Under
+        ``"pp"`` a ``PipelinePlan``: the stage with the highest peak, and ``stages``, every stage's plan.
 
     Raises:
         ValueError: an engine option is out of range (as ``InBackwardOptimizer`` raises it).
@@ -359,6 +389,12 @@ def plan(
         raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
     engine = dict(bucket_cap_mb=bucket_cap_mb, per_parameter=per_parameter, accumulation_steps=accumulation_steps,
                   max_grad_norm=max_grad_norm, clip_mode=clip_mode, track_grad_norm=track_grad_norm)
+    if parallel == "pp":
+        from dist_optim._plan_pipeline import plan_pipeline
+
+        return plan_pipeline(model_fn, batch_fn, loss_fn, optimizer_class, world_size=world_size,
+                             n_microbatches=n_microbatches, pp_schedule=pp_schedule, pp_stage_fn=pp_stage_fn,
+                             engine=engine, autocast_dtype=autocast_dtype, optimizer_kwargs=optimizer_kwargs)
     layout = Layout(parallel, world_size, ddp_bucket_cap_mb, gradient_as_bucket_view, fsdp_units)
     layout.check(engine)
     plans = {}

@@ -62,12 +62,17 @@ def _logits_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
 
 
+def _output_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``--parallel pp``: the schedule's loss on the last stage, from its logits (as ``_logits_loss``)."""
+    return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dist_optim.plan",
         description="Plan one warm training step's memory, standard loop against in backward, on fake tensors "
-                    "(nothing of the model's size is allocated): one process, or one rank of a DDP or FSDP2 job "
-                    "(--world, --parallel).",
+                    "(nothing of the model's size is allocated): one process, or one rank of a DDP or FSDP2 job, "
+                    "or each stage rank of a pipeline (--world, --parallel).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its folder): "
@@ -101,6 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--parallel ddp: DDP's bucket_cap_mb (default: DDP's, 25 MiB with a 1 MiB first bucket)")
     p.add_argument("--gradient-as-bucket-view", action="store_true",
                    help="--parallel ddp: DDP's gradient_as_bucket_view=True")
+    p.add_argument("--n-microbatches", type=int, default=4,
+                   help="--parallel pp: the schedule's micro-batches per step, each --batch-size (the trainer's "
+                        "--microbatches)")
+    p.add_argument("--pp-schedule", default="1F1B", metavar="NAME",
+                   help="--parallel pp: the torch.distributed.pipelining schedule, by torch's name (1F1B, GPipe; "
+                        "the others are refused)")
+    p.add_argument("--pp-stage-fn", metavar="MODULE:CALLABLE",
+                   help="--parallel pp (one stage per rank, --world of them): fn(model, stage_index, num_stages) "
+                        "returning that stage's module, e.g. launch.pipeline:gpt_stage for launch.gpt:GPT")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of both loops' memory timelines (needs matplotlib)")
     return p
@@ -109,6 +123,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> MemoryPlan:
     args = build_parser().parse_args(argv)
     dtype = getattr(torch, args.dtype)
+    pipeline: dict[str, Any] = {}
+    if args.parallel == "pp":
+        if args.hf_config:
+            raise SystemExit("--parallel pp: give --model and --pp-stage-fn (a Hugging Face model is not cut into "
+                             "pipeline stages here)")
+        if not args.pp_stage_fn:
+            raise SystemExit("--parallel pp needs --pp-stage-fn MODULE:CALLABLE, fn(model, stage_index, num_stages) "
+                             "-> the stage's module (e.g. launch.pipeline:gpt_stage for --model launch.gpt:GPT)")
+        from dist_optim._plan_pipeline import schedule_class
+
+        try:
+            schedule_class(args.pp_schedule)
+        except NotImplementedError as e:
+            raise SystemExit(f"--pp-schedule {args.pp_schedule}: {e}") from e
+        pipeline = {"n_microbatches": args.n_microbatches, "pp_schedule": args.pp_schedule,
+                    "pp_stage_fn": _class(args.pp_stage_fn)}
     if args.hf_config:
         model_fn, vocab = _hf_model(args.hf_config, dtype, args.activation_checkpointing)
         loss_fn: Callable[[nn.Module, Any], torch.Tensor] = _hf_loss
@@ -138,13 +168,15 @@ def main(argv: Sequence[str] | None = None) -> MemoryPlan:
     if args.parallel not in PARALLEL:  # refused before anything is built
         raise SystemExit(f"--parallel {args.parallel}: not planned ({NOT_PLANNED[args.parallel]}); planned: "
                          f"{', '.join(PARALLEL)}")
+    if pipeline:
+        loss_fn = _output_loss
     result = plan(model_fn, batch_fn, loss_fn, _class(args.optimizer), bucket_cap_mb=args.bucket_cap_mb,
                   per_parameter=args.per_parameter, accumulation_steps=args.accumulation_steps,
                   max_grad_norm=args.max_grad_norm, clip_mode=args.clip_mode,
                   track_grad_norm=args.track_grad_norm,
                   autocast_dtype=None if args.autocast is None else getattr(torch, args.autocast),
                   world_size=args.world, parallel=args.parallel, ddp_bucket_cap_mb=args.ddp_bucket_cap_mb,
-                  gradient_as_bucket_view=args.gradient_as_bucket_view, lr=args.lr)
+                  gradient_as_bucket_view=args.gradient_as_bucket_view, **pipeline, lr=args.lr)
     result.options.update(batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
                           activation_checkpointing=args.activation_checkpointing,
                           model=args.hf_config or args.model)

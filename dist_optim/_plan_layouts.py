@@ -30,12 +30,11 @@ from dist_optim._torch_internals import (DDP_REBUILT_BUCKETS, SKIP_GRAD_WRITEBAC
 
 __all__: list[str] = []
 
-PARALLEL = ("none", "ddp", "fsdp2")  # the layouts planned; the others are refused with this list
+PARALLEL = ("none", "ddp", "fsdp2", "pp")  # the layouts planned; the others are refused with this list
 NOT_PLANNED = {
     "hsdp": "not built yet",
     "fsdp2+tp": "not built yet",
     "tp": "not built yet",
-    "pp": "not built yet",
 }
 _DEFAULT_CAP_MB = 25.0  # DDP's bucket_cap_mb when none is given (its first bucket is 1 MiB then)
 
@@ -62,7 +61,7 @@ class Layout:
             why = NOT_PLANNED.get(self.parallel, "unknown")
             raise NotImplementedError(
                 f"parallel={self.parallel!r} is not planned ({why}); the planner plans parallel in {PARALLEL} "
-                "(one representative rank of a DDP or FSDP2 job on world_size ranks)")
+                "(one representative rank of a DDP or FSDP2 job on world_size ranks, each stage rank of a pipeline)")
         if self.world_size < 1 or (self.parallel == "none" and self.world_size != 1):
             raise ValueError(f"world_size={self.world_size} with parallel={self.parallel!r}: one process plans "
                              "world_size=1; give parallel='ddp' or 'fsdp2' for more ranks")

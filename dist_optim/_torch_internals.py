@@ -280,6 +280,28 @@ def is_schedule(schedule: Any) -> bool:
 # FSDP2 steps each bucket there (torch 2.10 and later). Public: none yet (undocumented, unprefixed).
 PERFORM_REDUCE_GRAD = "perform_reduce_grad"
 
+# The warm-up exchange a PipelineStage runs at its first step (a vote sent through the stages, read back with
+# .item()): the memory planner's stage, on a fake group whose receives carry no values, replaces both methods and
+# gives every shape instead. Public: none yet (input_args/output_args make the vote "static", not skipped).
+STAGE_WARMUP_VOTE = "_warmup_forward_vote"
+STAGE_WARMUP_RESULT = "_warmup_backward_result"
+
+
+# What a stage keeps from one schedule step to the next, for the memory planner's resident bytes: the receive
+# buffers of every micro-batch (activations and gradients, allocated at its first step) with the gradients backward
+# left on them, and the last stage's outputs (kept to merge, cleared at the next step). Public: none yet.
+def stage_recv_buffers(stage: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(the buffers receiving activations, those receiving gradients and the gradients left on the former)."""
+    def buffers(infos: Any) -> list[torch.Tensor]:
+        return [i.buffer for per_mb in infos for i in per_mb if not i.is_root_arg and i.buffer is not None]
+    acts = buffers(stage.args_recv_info.values())
+    return acts, buffers(stage.grad_recv_info.values()) + [b.grad for b in acts if b.grad is not None]
+
+
+def stage_kept_outputs(stage: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(stage.output_chunks) if isinstance(t, torch.Tensor)]
+
+
 # -- names that wrappers put in module paths ---------------------------------------------------------------------------
 # torch.compile's OptimizedModule (_orig_mod), activation checkpointing's CheckpointWrapper
 # (_checkpoint_wrapped_module) and FSDP1 (_fsdp_wrapped_module): a checkpoint's names are the same whatever wrapped

@@ -18,8 +18,8 @@ from torch import nn
 from .gpt import GPT, loss_fn
 from .runtime import LaunchError, Runtime
 
-__all__ = ["PIPELINED", "GPTStage", "Pipeline", "build_pipeline", "check_pipeline", "run_schedule", "stage_blocks",
-           "stage_group", "stage_of"]
+__all__ = ["PIPELINED", "GPTStage", "Pipeline", "build_pipeline", "check_pipeline", "gpt_stage", "run_schedule",
+           "stage_blocks", "stage_group", "stage_of"]
 
 PIPELINED = ("pp", "pp+fsdp2")  # the --parallel values that run a schedule
 MICROBATCHES = 4  # --microbatches none
@@ -55,6 +55,12 @@ def stage_blocks(n_layer: int, n_stages: int, stage: int) -> tuple[int, int]:
     base, extra = divmod(n_layer, n_stages)
     lo = stage * base + min(stage, extra)
     return lo, lo + base + (stage < extra)
+
+
+def gpt_stage(gpt: GPT, stage: int, n_stages: int) -> GPTStage:
+    """Stage ``stage`` of ``n_stages`` of ``gpt``, as the trainer cuts it (``dist_optim.plan``'s ``pp_stage_fn``)."""
+    lo, hi = stage_blocks(len(gpt.blocks), n_stages, stage)
+    return GPTStage(gpt, lo, hi, stage == 0, stage == n_stages - 1)
 
 
 def check_pipeline(cfg: Any, rt: Runtime, parallel: str) -> int:
@@ -138,9 +144,8 @@ def build_pipeline(gpt: GPT, cfg: Any, rt: Runtime, parallel: str) -> Pipeline:
     n_stages = check_pipeline(cfg, rt, parallel)
     index, replica = stage_of(rt, n_stages)
     replicas = rt.world // n_stages
-    lo, hi = stage_blocks(cfg.n_layer, n_stages, index)
     first, last = index == 0, index == n_stages - 1
-    module = GPTStage(gpt, lo, hi, first, last).to(rt.device)
+    module = gpt_stage(gpt, index, n_stages).to(rt.device)
     pp_group = None
     if parallel == "pp+fsdp2":
         from torch.distributed.device_mesh import init_device_mesh

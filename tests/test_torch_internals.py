@@ -342,7 +342,16 @@ def _on_a_rank(ctx, entry: str) -> None:
         assert internals.schedule_stages(schedule) == [stage]
         assert callable(getattr(stage, internals.PERFORM_REDUCE_GRAD))
         stages = [PipelineStage(nn.Linear(2, 2), i, 2, torch.device("cpu")) for i in range(2)]
-        assert internals.schedule_stages(ScheduleInterleaved1F1B(stages, 2)) == stages
+        schedule = ScheduleInterleaved1F1B(stages, 2, loss_fn=lambda out, y: out.sum())
+        assert internals.schedule_stages(schedule) == stages
+        # the memory planner's stage: the warm-up methods it replaces, what a stage keeps between steps
+        for name in (internals.STAGE_WARMUP_VOTE, internals.STAGE_WARMUP_RESULT):
+            assert callable(getattr(PipelineStage, name)), name
+        schedule.step(torch.ones(4, 2), target=torch.ones(4, 2))
+        acts, _ = internals.stage_recv_buffers(stages[1])
+        assert [t.shape for t in acts] == [(2, 2)] * 2, "no receive buffer per micro-batch on the second stage"
+        assert internals.stage_recv_buffers(stages[0])[0] == []  # the first stage's inputs are the batch's
+        assert [t.shape for t in internals.stage_kept_outputs(stages[1])] == [(2, 2)] * 2, "last stage's outputs"
 
 
 ON_A_RANK = "on a rank"  # the check is _on_a_rank's, on one gloo rank
@@ -502,6 +511,16 @@ CHECKS: dict[str, Entry] = {
     "PERFORM_REDUCE_GRAD": Entry(
         "torch.distributed.pipelining.stage._PipelineStageBase.perform_reduce_grad",
         "pipeline x FSDP2 in backward would be refused", ON_A_RANK),
+    "STAGE_WARMUP_VOTE": Entry(
+        "torch.distributed.pipelining.stage.PipelineStage._warmup_forward_vote",
+        "the planner's pipeline stages would run the warm-up vote on a fake group and fail", ON_A_RANK),
+    "STAGE_WARMUP_RESULT": Entry(
+        "torch.distributed.pipelining.stage.PipelineStage._warmup_backward_result",
+        "the planner's pipeline stages would run the warm-up vote on a fake group and fail", ON_A_RANK),
+    "stage_recv_buffers": Entry(
+        None, "the planner would miss a stage's receive buffers, or fail", ON_A_RANK),
+    "stage_kept_outputs": Entry(
+        None, "the planner would miss the last stage's outputs kept from the step before, or fail", ON_A_RANK),
     # checkpoints
     "WRAPPER_COMPONENTS": Entry(
         None, "checkpoint names would keep a wrapper's component: a wrapped model's checkpoint would not load into "
