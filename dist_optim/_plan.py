@@ -3,7 +3,8 @@
 :func:`plan` builds the model under ``FakeTensorMode`` (no real memory), runs a first step to create the optimizer
 state, then traces the storages of a second, warm step: the peak, split into parameters, optimizer state, gradients,
 activations and other, for ``loss.backward(); opt.step(); opt.zero_grad()`` and for ``InBackwardOptimizer``.
-One process, or one representative rank of a DDP or FSDP2 job (``world_size``, ``parallel``: ``_plan_layouts``).
+One process, or one representative rank of a DDP, FSDP2, TP, FSDP2 x TP or HSDP job (``world_size``, ``parallel``:
+``_plan_layouts``, ``_plan_fsdp2``, ``_plan_tp``).
 ``python -m dist_optim.plan`` does it from the command line (``_plan_cli``); this module is the planner.
 """
 
@@ -228,7 +229,7 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
     from dist_optim._torch_internals import FakeTensorMode, tree_leaves
 
     micro = engine_options.get("accumulation_steps", 1)
-    with FakeTensorMode(), warnings.catch_warnings():
+    with FakeTensorMode(), layout.inside_fake_mode(), warnings.catch_warnings():
         # the engine compares gradients' storage addresses, which fake tensors do not have (0, and a warning):
         # only FSDP2's shared reduce-scatter buffers depend on it
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
@@ -244,10 +245,10 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
             for p in m.parameters():
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(seen)
-        if layout.parallel != "fsdp2":
+        if not layout.replaces_parameters:
             watch(model)
         model = layout.wrap(model, mesh)
-        if layout.parallel == "fsdp2":  # fully_shard replaced the parameters (sharded; FSDP2 calls their hooks)
+        if layout.replaces_parameters:  # fully_shard or a TP plan replaced the parameters (DTensors)
             watch(model)
         n_params = sum(local(p).numel() for p in model.parameters() if p.requires_grad)  # this rank's
         engine = {**engine_options, **(layout.engine_options() if loop == "in_backward" else {})}
@@ -264,7 +265,7 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
             trace.phase = name
         job.phase = phase
         resident = [local(t) for t in job.resident()] + extra
-        with trace, (following_resizes(trace) if layout.parallel == "fsdp2" else contextlib.nullcontext()):
+        with trace, (following_resizes(trace) if layout.resizes else contextlib.nullcontext()):
             trace.seed(resident + [t for t in tree_leaves(batches) if isinstance(t, torch.Tensor)])
             for t in extra:  # DDP's buckets hold gradients
                 trace.block_of(t).is_grad = True
@@ -304,6 +305,9 @@ def plan(
     ddp_bucket_cap_mb: float | None = None,
     gradient_as_bucket_view: bool = False,
     fsdp_units: Callable[[nn.Module], list[nn.Module]] | None = None,
+    tp_size: int | None = None,
+    shard_size: int | None = None,
+    parallelize: Callable[[nn.Module, Any], Any] | None = None,
     **optimizer_kwargs: Any,
 ) -> MemoryPlan:
     """Plan one warm training step's memory on this process, for the standard loop and in backward, without
@@ -329,13 +333,27 @@ def plan(
         world_size, parallel: the layout, planned for one representative rank, each rank on its own
             ``batch_fn()`` micro-batch: ``"none"`` (one process, ``world_size=1``), ``"ddp"``
             (``DistributedDataParallel`` over ``world_size`` ranks; the engine steps DDP's buckets, so
-            ``bucket_cap_mb`` does not apply) or ``"fsdp2"`` (``fully_shard`` over ``world_size`` ranks, on
-            torch's fake process group, which this call initializes and destroys). Other layouts (``"hsdp"``,
-            ``"fsdp2+tp"``, ``"tp"``, ``"pp"``) raise ``NotImplementedError`` naming what is planned.
+            ``bucket_cap_mb`` does not apply), ``"fsdp2"`` (``fully_shard`` over ``world_size`` ranks), ``"tp"``
+            (tensor parallel over ``world_size`` ranks: ``parallelize``), ``"fsdp2+tp"`` (a ``("dp", "tp")`` mesh
+            of ``(world_size / tp_size, tp_size)``: ``parallelize`` on "tp", then ``fully_shard`` on "dp") or
+            ``"hsdp"`` (``fully_shard`` on a ``("replicate", "shard")`` mesh of ``(world_size / shard_size,
+            shard_size)``); all but DDP on torch's fake process group and a mesh over it, which this call
+            initializes and destroys. The TP ranks of a replica see the same micro-batch, as in a real job. Other
+            layouts (``"pp"``) raise ``NotImplementedError`` naming what is planned.
         ddp_bucket_cap_mb, gradient_as_bucket_view: DDP's options (``None``: its default cap, 25 MiB, with a first
             bucket of 1 MiB).
         fsdp_units: FSDP2: ``fsdp_units(model)`` lists the modules ``fully_shard``-ed before the root (default: the
-            entries of the ``nn.ModuleList`` holding the most parameters, a transformer's blocks).
+            entries of the ``nn.ModuleList`` holding the most parameters, a transformer's blocks); also for
+            ``"fsdp2+tp"`` and ``"hsdp"``.
+        tp_size: ``"fsdp2+tp"``: the tensor-parallel ranks per replica (``"tp"``: ``None`` or ``world_size``).
+        shard_size: ``"hsdp"``: the ranks each replica is sharded over.
+        parallelize: ``"tp"``, ``"fsdp2+tp"``: ``parallelize(model, tp_mesh)``, called on the model built by
+            ``model_fn`` (fake tensors) and the 1-D tensor-parallel ``DeviceMesh``; it applies the model's plan in
+            place (``parallelize_module`` with ``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``, ...;
+            its return value, if a module, is used instead). Every trainable parameter must end a DTensor (the
+            others replicated DTensors, as ``launch.tensor_parallel.tensor_parallel``, the trainer's GPT plan,
+            makes them): plain ones next to DTensors are refused. ``loss_fn`` gets the model's output as it is (a
+            DTensor, if the plan leaves one).
         **optimizer_kwargs: ``optimizer_class``'s options (``lr``, ...).
 
     Returns:
@@ -359,7 +377,8 @@ def plan(
         raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
     engine = dict(bucket_cap_mb=bucket_cap_mb, per_parameter=per_parameter, accumulation_steps=accumulation_steps,
                   max_grad_norm=max_grad_norm, clip_mode=clip_mode, track_grad_norm=track_grad_norm)
-    layout = Layout(parallel, world_size, ddp_bucket_cap_mb, gradient_as_bucket_view, fsdp_units)
+    layout = Layout(parallel, world_size, ddp_bucket_cap_mb, gradient_as_bucket_view, fsdp_units, tp_size, shard_size,
+                    parallelize)
     layout.check(engine)
     plans = {}
     with layout.group() as mesh:
