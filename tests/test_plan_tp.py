@@ -66,6 +66,28 @@ def test_an_hsdp_rank_planned_agrees_with_four_gloo_ranks_measured():
     assert res["saving"]["planned"] == 0 and res["saving"]["measured"] == [0] * 4
 
 
+def test_the_trace_holds_what_dtensor_redistributes_inside_an_operator():
+    # x @ w with w sharded by rows: DTensor all-gathers w inside the matmul, and the gathered copy is alive while it
+    # runs; the trace runs DTensor's own dispatch, so it sees the local operators and that copy, not only the output
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dist_optim._memory_trace import MemoryTrace
+    from dist_optim._plan_tp import fake_mesh
+    from dist_optim._torch_internals import FakeTensorMode
+
+    with fake_mesh((2,), ("tp",)) as mesh, FakeTensorMode():
+        x = distribute_tensor(torch.empty(1024, 256), mesh, [Shard(0)])
+        w = distribute_tensor(torch.empty(256, 256), mesh, [Shard(0)])
+        (x @ w).sum()  # DTensor's sharding propagation, cached from here on (it runs on fake tensors of its own)
+        trace = MemoryTrace()
+        with trace:
+            y = x @ w
+            del y
+        trace.finish()
+    assert not dist.is_initialized()
+    assert trace.peak == 512 * 256 * 4 + 256 * 256 * 4  # this rank's output rows and the whole of w
+
+
 def _gpt_tp(**layout):
     model_fn, batch_fn, _ = _builders(TINY)
     return plan(model_fn, batch_fn, bench_plan_layouts._tp_loss, bucket_cap_mb=0.05, lr=1e-3, **layout)
