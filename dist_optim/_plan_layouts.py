@@ -73,7 +73,8 @@ class Layout:
             shape, names = mesh_shape(self.parallel, self.world_size, self.tp_size, self.shard_size)
             out.update(mesh=dict(zip(names, shape)))
             if self.parallelize is not None:
-                out.update(parallelize=getattr(self.parallelize, "__qualname__", repr(self.parallelize)))
+                f = self.parallelize
+                out.update(parallelize=f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', repr(f))}")
         return out
 
     def check(self, engine: dict[str, Any]) -> None:
@@ -84,7 +85,7 @@ class Layout:
                 "(one representative rank of a job on world_size ranks)")
         if self.world_size < 1 or (self.parallel == "none" and self.world_size != 1):
             raise ValueError(f"world_size={self.world_size} with parallel={self.parallel!r}: one process plans "
-                             f"world_size=1; give parallel= one of {PARALLEL[1:]} for more ranks")
+                             f"world_size=1; give parallel one of {PARALLEL[1:]} for more ranks")
         if self.parallel not in _MESHED and (self.tp_size, self.shard_size, self.parallelize) != (None, None, None):
             raise ValueError(f"tp_size, shard_size and parallelize apply to parallel in {_MESHED}, got parallel="
                              f"{self.parallel!r}")

@@ -105,7 +105,7 @@ def test_a_tp_rank_holds_the_mlp_shards_and_the_replicated_rest():
         assert lp.breakdown["parameters"] == 4 * tp.n_params  # float32, nothing else
         assert lp.breakdown["optimizer_state"] == 8 * tp.n_params + 4 * len(list(model_fn().parameters()))
     assert not dist.is_initialized()  # the fake process group is destroyed
-    assert tp.options["mesh"] == {"tp": 2} and tp.options["parallelize"] == "tensor_parallel"
+    assert tp.options["mesh"] == {"tp": 2} and tp.options["parallelize"] == "launch.tensor_parallel.tensor_parallel"
     assert "tp on 2 ranks" in tp.table() and any("DTensor's redistributions" in s for s in tp.not_seen)
 
 
@@ -178,7 +178,8 @@ def test_the_command_line_plans_the_trainers_gpt_under_fsdp2_x_tp(tmp_path, caps
          "tie_weights": False}), "--seq-len", str(block), "--batch-size", str(batch), "--bucket-cap-mb", "0.05"]
     p = main([*gpt, "--world", "4", "--parallel", "fsdp2+tp", "--tp-size", "2", "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert out["options"]["mesh"] == {"dp": 2, "tp": 2} and out["options"]["parallelize"] == "tensor_parallel"
+    assert out["options"]["mesh"] == {"dp": 2, "tp": 2}
+    assert out["options"]["parallelize"] == "launch.tensor_parallel.tensor_parallel"
     assert out["standard"]["peak_bytes"] == p.standard.peak_bytes
     want = _gpt_tp(world_size=4, parallel="fsdp2+tp", tp_size=2, parallelize=tensor_parallel)
     assert p.n_params == want.n_params and p.saving_bytes == want.saving_bytes
