@@ -1,13 +1,17 @@
-"""The memory planner's layouts against measurement: one rank of a DDP or FSDP2 job planned on fake tensors, the
-same job run for real on 2 gloo ranks.
+"""The memory planner's layouts against measurement: one rank of a DDP, FSDP2, tensor-parallel, FSDP2 x TP or HSDP
+job planned on fake tensors, the same job run for real on 2 or 4 gloo ranks.
 
-    python -m benchmarks.bench_plan_layouts            # the trainer's GPT, DDP's options, FSDP2: many minutes
-    python -m benchmarks.bench_plan_layouts --quick    # one DDP and one FSDP2 configuration
+    python -m benchmarks.bench_plan_layouts                      # every layout: many minutes
+    python -m benchmarks.bench_plan_layouts --quick              # one DDP and one FSDP2 configuration
+    python -m benchmarks.bench_plan_layouts --layouts tp hsdp    # the rows of these layouts only
 
 The planner plans one representative rank (``dist_optim.plan(..., world_size=2, parallel="ddp")``, or
-``"fsdp2"``). The measurement runs the planner's own ``Job`` on a real ``DistributedDataParallel`` model (or one
-``fully_shard``-ed per block, then the root) on each of 2 spawned gloo ranks (each its own micro-batch), two warm-up
-steps (DDP rebuilds its buckets at the second), then measures a step
+``"fsdp2"``, ``"tp"`` on 2 ranks, ``"fsdp2+tp"`` and ``"hsdp"`` on 2 x 2). The measurement runs the planner's own
+``Job`` on a real ``DistributedDataParallel`` model (or one ``fully_shard``-ed per block, then the root; or the
+trainer's tensor-parallel GPT, ``launch.tensor_parallel.tensor_parallel``, laid out by the planner's own
+``_plan_tp.wrap`` on a real mesh) on each of 2 or 4 spawned gloo ranks (each data-parallel replica its own
+micro-batch, the TP ranks of a replica the same), two warm-up steps (DDP rebuilds its buckets at the second), then
+measures a step
 with ``heap_shim.c`` preloaded: the tensor bytes of every thread (gloo's work threads too), their peak above the
 step's start (the median of 5 steps; the lowest, for FSDP2, in ``compare(statistic="min")``) and the live bytes
 at the start above those before the model was built. Each loop
@@ -29,6 +33,9 @@ from benchmarks.bench_plan import OPTIMIZER_KWARGS, _builders
 from dist_optim import plan
 from dist_optim._plan import LOOPS, Job
 from dist_optim._plan_fsdp2 import shard
+from dist_optim._plan_tp import mesh_shape, wrap
+from launch.gpt import loss_fn
+from launch.tensor_parallel import tensor_parallel
 
 WORLD = 2
 WARMUP = 2  # DDP's first iteration buckets everything at once and rebuilds its buckets at the second forward
@@ -36,6 +43,9 @@ STEPS = 5  # steps measured per rank: gloo's per-rank peak under FSDP2 moves fro
 SHAPE = (2, 4, 256, 32, 4)  # n_layer, n_head, n_embd, block_size, batch: 1.7 M parameters, 6.6 MiB of gradients
 LARGER = (4, 8, 512, 32, 4)  # 12.9 M parameters: FSDP2's gradients above its activations, a saving to measure
 FSDP2 = {"parallel": "fsdp2"}
+TP = {"parallel": "tp", "world_size": 2}
+FSDP2_TP = {"parallel": "fsdp2+tp", "world_size": 4, "tp_size": 2}
+HSDP = {"parallel": "hsdp", "world_size": 4, "shard_size": 2}
 # (label, shape, layout options, engine options)
 CONFIGS = [
     ("ddp, cap 0.5", SHAPE, {"ddp_bucket_cap_mb": 0.5}, {}),
@@ -46,7 +56,37 @@ CONFIGS = [
     ("fsdp2, 2 x 256, cap 0.5", SHAPE, FSDP2, {"bucket_cap_mb": 0.5}),
     ("fsdp2, 4 x 512, cap 0.5", LARGER, FSDP2, {"bucket_cap_mb": 0.5}),
     ("fsdp2, 4 x 512, exact", LARGER, FSDP2, {"bucket_cap_mb": 0.5, "max_grad_norm": 0.05, "clip_mode": "exact"}),
+    ("tp, 2 x 256, cap 0.5", SHAPE, TP, {"bucket_cap_mb": 0.5}),
+    ("tp, 4 x 512, cap 0.5", LARGER, TP, {"bucket_cap_mb": 0.5}),
+    ("tp, 4 x 512, exact", LARGER, TP, {"bucket_cap_mb": 0.5, "max_grad_norm": 0.05, "clip_mode": "exact"}),
+    ("fsdp2+tp, 2 x 256, cap 0.5", SHAPE, FSDP2_TP, {"bucket_cap_mb": 0.5}),
+    ("fsdp2+tp, 4 x 512, cap 0.5", LARGER, FSDP2_TP, {"bucket_cap_mb": 0.5}),
+    ("fsdp2+tp, 4 x 512, exact", LARGER, FSDP2_TP, {"bucket_cap_mb": 0.5, "max_grad_norm": 0.05,
+                                                    "clip_mode": "exact"}),
+    ("hsdp, 2 x 256, cap 0.5", SHAPE, HSDP, {"bucket_cap_mb": 0.5}),
+    ("hsdp, 4 x 512, cap 0.5", LARGER, HSDP, {"bucket_cap_mb": 0.5}),
 ]
+LAYOUTS = ("ddp", "fsdp2", "tp", "fsdp2+tp", "hsdp")
+
+
+def _parallel(layout: dict[str, Any]) -> str:
+    return layout.get("parallel", "ddp")
+
+
+def _world(layout: dict[str, Any]) -> int:
+    return layout.get("world_size", WORLD)
+
+
+def _tp_loss(model: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The GPT's loss where its logits are a replicated DTensor (``tensor_parallel`` leaves them so)."""
+    logits = model(b[0])
+    return loss_fn(logits.full_tensor() if hasattr(logits, "full_tensor") else logits, b[1])
+
+
+def _replica(rank: int, layout: dict[str, Any]) -> int:
+    """This rank's data-parallel replica (the TP ranks of one see the same micro-batch)."""
+    parallel = _parallel(layout)
+    return 0 if parallel == "tp" else rank // layout["tp_size"] if parallel == "fsdp2+tp" else rank
 
 
 def _rank(rank: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -60,15 +100,23 @@ def _rank(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     base = shim.lib.shim_current()
     torch.manual_seed(0)
     layout = dict(args.layout)
-    if layout.get("parallel", "ddp") == "fsdp2":
+    parallel = _parallel(layout)
+    if parallel == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
 
         model = shard(model_fn(), init_device_mesh("cpu", (WORLD,)), None)  # the blocks, then the root
+    elif parallel in ("tp", "fsdp2+tp", "hsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape_, names = mesh_shape(parallel, _world(layout), layout.get("tp_size"), layout.get("shard_size"))
+        mesh = init_device_mesh("cpu", shape_, mesh_dim_names=names)
+        model = wrap(model_fn(), mesh, parallel, tensor_parallel if parallel != "hsdp" else None, None)
+        loss = _tp_loss
     else:
         model = DDP(model_fn(), bucket_cap_mb=layout.get("ddp_bucket_cap_mb"),
                     gradient_as_bucket_view=layout.get("gradient_as_bucket_view", False))
     job = Job(model, args.loop, loss, torch.optim.AdamW, OPTIMIZER_KWARGS, dict(args.engine))
-    torch.manual_seed(100 + rank)  # each rank its own micro-batches
+    torch.manual_seed(100 + _replica(rank, layout))  # each replica its own micro-batches
     for _ in range(WARMUP):
         job.step([batch_fn()])
     batches = [batch_fn()]
@@ -81,7 +129,7 @@ def measured(shape: tuple[int, ...], layout: dict[str, Any], engine: dict[str, A
     for loop in LOOPS:
         args = argparse.Namespace(device="cpu", threads=1, malloc="pinned", shape=list(shape), loop=loop,
                                   layout=sorted(layout.items()), engine=sorted(engine.items()))
-        ranks, no_shim = h.spawn(_rank, args, WORLD, heap_shim=True)
+        ranks, no_shim = h.spawn(_rank, args, _world(layout), heap_shim=True)
         if no_shim:
             raise RuntimeError(f"heap shim not preloaded ({no_shim}): no per-rank peak of every thread")
         out[loop] = ranks
@@ -97,8 +145,12 @@ def compare(shape: tuple[int, ...], layout: dict[str, Any], engine: dict[str, An
     ``"min"`` is that floor measured."""
     pick = {"median": lambda xs: sorted(xs)[(len(xs) - 1) // 2], "min": min}[statistic]
     model_fn, batch_fn, loss = _builders(shape)
-    p = plan(model_fn, batch_fn, loss, torch.optim.AdamW, world_size=WORLD, **{"parallel": "ddp", **layout}, **engine,
-             **OPTIMIZER_KWARGS)
+    parallel, world = _parallel(layout), _world(layout)
+    extra: dict[str, Any] = {}
+    if parallel in ("tp", "fsdp2+tp"):
+        extra, loss = {"parallelize": tensor_parallel}, _tp_loss
+    p = plan(model_fn, batch_fn, loss, torch.optim.AdamW, **{"parallel": "ddp", "world_size": WORLD, **layout},
+             **extra, **engine, **OPTIMIZER_KWARGS)
     m = measured(shape, layout, engine)
     for ranks in m.values():
         for r in ranks:
@@ -108,7 +160,7 @@ def compare(shape: tuple[int, ...], layout: dict[str, Any], engine: dict[str, An
     for lp in p.loops():
         ranks = m[lp.loop]
         peaks[lp.loop] = [r["start_bytes"] + r["step_peak_bytes"] for r in ranks]
-        worst = max(range(WORLD), key=lambda k: abs(lp.peak_bytes / peaks[lp.loop][k] - 1))
+        worst = max(range(world), key=lambda k: abs(lp.peak_bytes / peaks[lp.loop][k] - 1))
         r = ranks[worst]
         res[lp.loop] = {
             "planned_peak": lp.peak_bytes, "measured_peak": peaks[lp.loop][worst],
@@ -127,9 +179,13 @@ def compare(shape: tuple[int, ...], layout: dict[str, Any], engine: dict[str, An
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = h.parser("bench_plan_layouts", __doc__)
+    p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=None,
+                   help="measure the rows of these layouts only (default: every layout; --quick: ddp and fsdp2)")
     args = h.parse(p, argv, quick={"threads": 1}, full={"threads": 1})
     run = h.Run("bench_plan_layouts", args)
-    configs = [CONFIGS[0], CONFIGS[5]] if args.quick else CONFIGS
+    configs = [CONFIGS[0], CONFIGS[5]] if args.quick and args.layouts is None else CONFIGS
+    if args.layouts is not None:
+        configs = [c for c in configs if _parallel(c[2]) in args.layouts]
     rows = {}
     print(f"{'configuration':<26} {'loop':<12} {'planned':>9} {'measured':>9} {'err':>7}  {'step planned':>12} "
           f"{'measured':>9}  gloo threads   saving planned / measured MiB")
@@ -144,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"{100 * x['error']:>+6.2f}%  {h.mib(x['planned_step_peak']):>12} "
                   f"{h.mib(x['measured_step_peak']):>9}"
                   f"  {max(x['gloo_threads_bytes']):>12}{tail}")
-    return run.finish({"world": WORLD, "rows": rows})
+    return run.finish({"world": {label: _world(layout) for label, _, layout, _ in configs}, "rows": rows})
 
 
 if __name__ == "__main__":

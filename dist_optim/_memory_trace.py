@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from dist_optim._inputs import is_dtensor
+from dist_optim._inputs import _DTENSOR, is_dtensor
 from dist_optim._torch_internals import TorchDispatchMode, tree_iter
 
 __all__: list[str] = []
@@ -144,6 +144,10 @@ class MemoryTrace(TorchDispatchMode):
         self.finished = True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(issubclass(t, _DTENSOR) for t in types):
+            # DTensor runs the operator with this trace still on: its local operators are seen, and the
+            # redistributions of its inputs (an all-gather's output, alive while the local operator runs) with them
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         for t in tree_iter(out):
             if isinstance(t, torch.Tensor):

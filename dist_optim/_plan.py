@@ -3,8 +3,8 @@
 :func:`plan` builds the model under ``FakeTensorMode`` (no real memory), runs a first step to create the optimizer
 state, then traces the storages of a second, warm step: the peak, split into parameters, optimizer state, gradients,
 activations and other, for ``loss.backward(); opt.step(); opt.zero_grad()`` and for ``InBackwardOptimizer``.
-One process, or one representative rank of a DDP or FSDP2 job (``world_size``, ``parallel``: ``_plan_layouts``), or
-every stage rank of a pipeline (``_plan_pipeline``).
+One process, or one representative rank of a DDP, FSDP2, TP, FSDP2 x TP or HSDP job (``world_size``, ``parallel``:
+``_plan_layouts``, ``_plan_fsdp2``, ``_plan_tp``), or every stage rank of a pipeline (``_plan_pipeline``).
 ``python -m dist_optim.plan`` does it from the command line (``_plan_cli``); this module is the planner.
 """
 
@@ -240,7 +240,7 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
     from dist_optim._torch_internals import FakeTensorMode, tree_leaves
 
     micro = engine_options.get("accumulation_steps", 1)
-    with FakeTensorMode(), warnings.catch_warnings():
+    with FakeTensorMode(), layout.inside_fake_mode(), warnings.catch_warnings():
         # the engine compares gradients' storage addresses, which fake tensors do not have (0, and a warning):
         # only FSDP2's shared reduce-scatter buffers depend on it
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
@@ -256,10 +256,10 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
             for p in m.parameters():
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(seen)
-        if layout.parallel != "fsdp2":
+        if not layout.replaces_parameters:
             watch(model)
         model = layout.wrap(model, mesh)
-        if layout.parallel == "fsdp2":  # fully_shard replaced the parameters (sharded; FSDP2 calls their hooks)
+        if layout.replaces_parameters:  # fully_shard or a TP plan replaced the parameters (DTensors)
             watch(model)
         n_params = sum(local(p).numel() for p in model.parameters() if p.requires_grad)  # this rank's
         engine = {**engine_options, **(layout.engine_options() if loop == "in_backward" else {})}
@@ -276,7 +276,7 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
             trace.phase = name
         job.phase = phase
         resident = [local(t) for t in job.resident()] + extra
-        with trace, (following_resizes(trace) if layout.parallel == "fsdp2" else contextlib.nullcontext()):
+        with trace, (following_resizes(trace) if layout.resizes else contextlib.nullcontext()):
             trace.seed(resident + [t for t in tree_leaves(batches) if isinstance(t, torch.Tensor)])
             for t in extra:  # DDP's buckets hold gradients
                 trace.block_of(t).is_grad = True
@@ -327,6 +327,9 @@ def plan(
     n_microbatches: int = 4,
     pp_schedule: str = "1F1B",
     pp_stage_fn: Callable[[nn.Module, int, int], nn.Module] | None = None,
+    tp_size: int | None = None,
+    shard_size: int | None = None,
+    parallelize: Callable[[nn.Module, Any], Any] | None = None,
     **optimizer_kwargs: Any,
 ) -> MemoryPlan:
     """Plan one warm training step's memory on this process, for the standard loop and in backward, without
@@ -352,19 +355,32 @@ def plan(
         world_size, parallel: the layout, planned for one representative rank, each rank on its own
             ``batch_fn()`` micro-batch: ``"none"`` (one process, ``world_size=1``), ``"ddp"``
             (``DistributedDataParallel`` over ``world_size`` ranks; the engine steps DDP's buckets, so
-            ``bucket_cap_mb`` does not apply) or ``"fsdp2"`` (``fully_shard`` over ``world_size`` ranks, on
-            torch's fake process group, which this call initializes and destroys), or ``"pp"`` (a pipeline of
-            ``world_size`` stages, one per rank: every stage planned, see ``pp_stage_fn``). Other layouts
-            (``"hsdp"``, ``"fsdp2+tp"``, ``"tp"``) raise ``NotImplementedError`` naming what is planned.
+            ``bucket_cap_mb`` does not apply), ``"fsdp2"`` (``fully_shard`` over ``world_size`` ranks), ``"tp"``
+            (tensor parallel over ``world_size`` ranks: ``parallelize``), ``"fsdp2+tp"`` (a ``("dp", "tp")`` mesh
+            of ``(world_size / tp_size, tp_size)``: ``parallelize`` on "tp", then ``fully_shard`` on "dp"),
+            ``"hsdp"`` (``fully_shard`` on a ``("replicate", "shard")`` mesh of ``(world_size / shard_size,
+            shard_size)``); all but DDP on torch's fake process group and a mesh over it, which this call
+            initializes and destroys. The TP ranks of a replica see the same micro-batch, as in a real job. Or
+            ``"pp"`` (a pipeline of ``world_size`` stages, one per rank: every stage planned, see ``pp_stage_fn``).
         ddp_bucket_cap_mb, gradient_as_bucket_view: DDP's options (``None``: its default cap, 25 MiB, with a first
             bucket of 1 MiB).
         fsdp_units: FSDP2: ``fsdp_units(model)`` lists the modules ``fully_shard``-ed before the root (default: the
-            entries of the ``nn.ModuleList`` holding the most parameters, a transformer's blocks).
+            entries of the ``nn.ModuleList`` holding the most parameters, a transformer's blocks); also for
+            ``"fsdp2+tp"`` and ``"hsdp"``.
         n_microbatches, pp_schedule, pp_stage_fn: ``"pp"``: the schedule's micro-batches per step and its
             ``torch.distributed.pipelining`` name (``"1F1B"``, the trainer's default, or ``"GPipe"``; the others
             raise ``NotImplementedError``), and ``pp_stage_fn(model, stage_index, num_stages)``, a stage's module
             cut from the whole model (required). There ``batch_fn()`` makes one micro-batch ``(inputs, target)``
             and ``loss_fn(output, target)`` is the schedule's loss on the last stage.
+        tp_size: ``"fsdp2+tp"``: the tensor-parallel ranks per replica (``"tp"``: ``None`` or ``world_size``).
+        shard_size: ``"hsdp"``: the ranks each replica is sharded over.
+        parallelize: ``"tp"``, ``"fsdp2+tp"``: ``parallelize(model, tp_mesh)``, called on the model built by
+            ``model_fn`` (fake tensors) and the 1-D tensor-parallel ``DeviceMesh``; it applies the model's plan in
+            place (``parallelize_module`` with ``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``, ...;
+            its return value, if a module, is used instead). Every trainable parameter must end a DTensor (the
+            others replicated DTensors, as ``launch.tensor_parallel.tensor_parallel``, the trainer's GPT plan,
+            makes them): plain ones next to DTensors are refused. ``loss_fn`` gets the model's output as it is (a
+            DTensor, if the plan leaves one).
         **optimizer_kwargs: ``optimizer_class``'s options (``lr``, ...).
 
     Returns:
@@ -395,7 +411,8 @@ def plan(
         return plan_pipeline(model_fn, batch_fn, loss_fn, optimizer_class, world_size=world_size,
                              n_microbatches=n_microbatches, pp_schedule=pp_schedule, pp_stage_fn=pp_stage_fn,
                              engine=engine, autocast_dtype=autocast_dtype, optimizer_kwargs=optimizer_kwargs)
-    layout = Layout(parallel, world_size, ddp_bucket_cap_mb, gradient_as_bucket_view, fsdp_units)
+    layout = Layout(parallel, world_size, ddp_bucket_cap_mb, gradient_as_bucket_view, fsdp_units, tp_size, shard_size,
+                    parallelize)
     layout.check(engine)
     plans = {}
     with layout.group() as mesh:

@@ -59,20 +59,24 @@ def _hf_loss(model: nn.Module, batch: Any) -> torch.Tensor:
 
 def _logits_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     logits = model(batch[0])
+    if hasattr(logits, "full_tensor"):  # a tensor-parallel model's logits, a DTensor (replicated by the GPT's plan)
+        logits = logits.full_tensor()
     return nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
 
 
 def _output_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """``--parallel pp``: the schedule's loss on the last stage, from its logits (as ``_logits_loss``)."""
     return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
+GPT_BUILDERS = ("launch.gpt:GPT", "launch.gpt.GPT")  # --model names whose TP plan is the trainer's by default
+GPT_TP_PLAN = "launch.tensor_parallel:tensor_parallel"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dist_optim.plan",
         description="Plan one warm training step's memory, standard loop against in backward, on fake tensors "
-                    "(nothing of the model's size is allocated): one process, or one rank of a DDP or FSDP2 job, "
-                    "or each stage rank of a pipeline (--world, --parallel).",
+                    "(nothing of the model's size is allocated): one process, or one rank of a DDP, FSDP2, "
+                    "tensor-parallel, FSDP2 x TP or HSDP job, or each stage rank of a pipeline (--world, --parallel).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its folder): "
@@ -115,6 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp-stage-fn", metavar="MODULE:CALLABLE",
                    help="--parallel pp (one stage per rank, --world of them): fn(model, stage_index, num_stages) "
                         "returning that stage's module, e.g. launch.pipeline:gpt_stage for launch.gpt:GPT")
+    p.add_argument("--tp-size", type=int, default=None,
+                   help="--parallel fsdp2+tp: tensor-parallel ranks per replica, a divisor of --world below it (a "
+                        "(world / T, T) mesh); --parallel tp: none or --world")
+    p.add_argument("--shard-size", type=int, default=None,
+                   help="--parallel hsdp: the ranks each replica is sharded over, a divisor of --world below it (a "
+                        "(world / S, S) mesh of replicas x shards)")
+    p.add_argument("--parallelize", metavar="MODULE:CALLABLE", default=None,
+                   help="--parallel tp, fsdp2+tp: parallelize(model, tp_mesh) applies the model's tensor-parallel "
+                        f"plan (default for --model {GPT_BUILDERS[0]}: the trainer's, {GPT_TP_PLAN})")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of both loops' memory timelines (needs matplotlib)")
     return p
@@ -170,13 +183,22 @@ def main(argv: Sequence[str] | None = None) -> MemoryPlan:
                          f"{', '.join(PARALLEL)}")
     if pipeline:
         loss_fn = _output_loss
+    parallelize = args.parallelize
+    if parallelize is None and args.parallel in ("tp", "fsdp2+tp"):
+        if args.model not in GPT_BUILDERS:
+            raise SystemExit(f"--parallel {args.parallel} needs --parallelize MODULE:CALLABLE, a parallelize(model, "
+                             f"tp_mesh) with the model's tensor-parallel plan (the default, {GPT_TP_PLAN}, is the "
+                             f"plan of --model {GPT_BUILDERS[0]} only)")
+        parallelize = GPT_TP_PLAN
     result = plan(model_fn, batch_fn, loss_fn, _class(args.optimizer), bucket_cap_mb=args.bucket_cap_mb,
                   per_parameter=args.per_parameter, accumulation_steps=args.accumulation_steps,
                   max_grad_norm=args.max_grad_norm, clip_mode=args.clip_mode,
                   track_grad_norm=args.track_grad_norm,
                   autocast_dtype=None if args.autocast is None else getattr(torch, args.autocast),
                   world_size=args.world, parallel=args.parallel, ddp_bucket_cap_mb=args.ddp_bucket_cap_mb,
-                  gradient_as_bucket_view=args.gradient_as_bucket_view, **pipeline, lr=args.lr)
+                  gradient_as_bucket_view=args.gradient_as_bucket_view, tp_size=args.tp_size,
+                  shard_size=args.shard_size, parallelize=None if parallelize is None else _class(parallelize),
+                  **pipeline, lr=args.lr)
     result.options.update(batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
                           activation_checkpointing=args.activation_checkpointing,
                           model=args.hf_config or args.model)

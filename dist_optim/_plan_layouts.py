@@ -1,5 +1,6 @@
-"""World sizes and layouts for the memory planner: one representative rank of a DDP job (here) or of an FSDP2 job
-(``_plan_fsdp2``: FSDP2's own code over torch's fake process group), planned on fake tensors in this one process.
+"""World sizes and layouts for the memory planner: one representative rank of a DDP job (here), of an FSDP2 job
+(``_plan_fsdp2``: FSDP2's own code over torch's fake process group), or of a tensor-parallel, FSDP2 x TP or HSDP job
+(``_plan_tp``: a fake device mesh), planned on fake tensors in this one process.
 
 DDP: every rank holds the whole model, its optimizer state, its own micro-batch, and DDP's flat bucket buffers
 (one gradient's worth, alive from construction on). :class:`PlannedDDP` stands in for
@@ -30,12 +31,9 @@ from dist_optim._torch_internals import (DDP_REBUILT_BUCKETS, SKIP_GRAD_WRITEBAC
 
 __all__: list[str] = []
 
-PARALLEL = ("none", "ddp", "fsdp2", "pp")  # the layouts planned; the others are refused with this list
-NOT_PLANNED = {
-    "hsdp": "not built yet",
-    "fsdp2+tp": "not built yet",
-    "tp": "not built yet",
-}
+PARALLEL = ("none", "ddp", "fsdp2", "tp", "fsdp2+tp", "hsdp", "pp")  # the layouts planned; others are refused
+NOT_PLANNED: dict[str, str] = {}  # a layout named here is refused with its reason (none today)
+_MESHED = ("tp", "fsdp2+tp", "hsdp")  # planned by _plan_tp, on a fake device mesh
 _DEFAULT_CAP_MB = 25.0  # DDP's bucket_cap_mb when none is given (its first bucket is 1 MiB then)
 
 
@@ -48,12 +46,33 @@ class Layout:
     ddp_bucket_cap_mb: float | None = None  # DDP's bucket_cap_mb (None: its default, 25, with a 1 MiB first bucket)
     gradient_as_bucket_view: bool = False
     fsdp_units: Callable[[nn.Module], list[nn.Module]] | None = None  # FSDP2: the modules sharded before the root
+    tp_size: int | None = None  # fsdp2+tp: the tensor-parallel ranks per replica (tp: world_size)
+    shard_size: int | None = None  # hsdp: the ranks each replica is sharded over
+    parallelize: Callable[[nn.Module, Any], Any] | None = None  # tp, fsdp2+tp: parallelize(model, tp_mesh)
+
+    @property
+    def replaces_parameters(self) -> bool:
+        """The wrapper puts new parameters (DTensors) in the model's place."""
+        return self.parallel not in ("none", "ddp")
+
+    @property
+    def resizes(self) -> bool:
+        """FSDP2 allocates and frees unsharded parameters by resizing storages."""
+        return self.parallel in ("fsdp2", "fsdp2+tp", "hsdp")
 
     def recorded(self) -> dict[str, Any]:
         """The options as JSON-ready values."""
         out = {"parallel": self.parallel, "world_size": self.world_size, "layout": self.describe()}
         if self.parallel == "ddp":
             out.update(ddp_bucket_cap_mb=self.ddp_bucket_cap_mb, gradient_as_bucket_view=self.gradient_as_bucket_view)
+        if self.parallel in _MESHED:
+            from dist_optim._plan_tp import mesh_shape
+
+            shape, names = mesh_shape(self.parallel, self.world_size, self.tp_size, self.shard_size)
+            out.update(mesh=dict(zip(names, shape)))
+            if self.parallelize is not None:
+                f = self.parallelize
+                out.update(parallelize=f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', repr(f))}")
         return out
 
     def check(self, engine: dict[str, Any]) -> None:
@@ -61,16 +80,23 @@ class Layout:
             why = NOT_PLANNED.get(self.parallel, "unknown")
             raise NotImplementedError(
                 f"parallel={self.parallel!r} is not planned ({why}); the planner plans parallel in {PARALLEL} "
-                "(one representative rank of a DDP or FSDP2 job on world_size ranks, each stage rank of a pipeline)")
+                "(one representative rank of a job on world_size ranks, each stage rank of a pipeline)")
         if self.world_size < 1 or (self.parallel == "none" and self.world_size != 1):
             raise ValueError(f"world_size={self.world_size} with parallel={self.parallel!r}: one process plans "
-                             "world_size=1; give parallel='ddp' or 'fsdp2' for more ranks")
+                             f"world_size=1; give parallel one of {PARALLEL[1:]} for more ranks")
+        if self.parallel not in _MESHED and (self.tp_size, self.shard_size, self.parallelize) != (None, None, None):
+            raise ValueError(f"tp_size, shard_size and parallelize apply to parallel in {_MESHED}, got parallel="
+                             f"{self.parallel!r}")
         if self.parallel != "none" and dist.is_available() and dist.is_initialized():
             raise RuntimeError(f"plan(parallel={self.parallel!r}) runs without a real process group; call it in a "
                                "process that has not initialized one")
         if self.parallel == "fsdp2" and engine.get("accumulation_steps", 1) > 1:
             raise NotImplementedError("accumulation_steps > 1 with parallel='fsdp2' is not planned yet (not "
                                       "validated against a measurement)")
+        if self.parallel in _MESHED:
+            from dist_optim._plan_tp import check
+
+            check(self.parallel, self.world_size, self.tp_size, self.shard_size, self.parallelize, engine)
         if self.parallel == "ddp":
             if engine.get("accumulation_steps", 1) > 1:
                 raise NotImplementedError(
@@ -79,8 +105,14 @@ class Layout:
 
     @contextlib.contextmanager
     def group(self) -> Iterator[Any]:
-        """FSDP2: torch's fake process group of ``world_size`` ranks and a mesh over it, for the planning's
-        duration (``None`` for the other layouts)."""
+        """FSDP2, TP, FSDP2 x TP, HSDP: torch's fake process group of ``world_size`` ranks and a mesh over it, for
+        the planning's duration (``None`` for the other layouts)."""
+        if self.parallel in _MESHED:
+            from dist_optim._plan_tp import fake_mesh, mesh_shape
+
+            with fake_mesh(*mesh_shape(self.parallel, self.world_size, self.tp_size, self.shard_size)) as mesh:
+                yield mesh
+            return
         if self.parallel != "fsdp2":
             yield None
             return
@@ -96,7 +128,19 @@ class Layout:
             from dist_optim._plan_fsdp2 import shard
 
             return shard(model, mesh, self.fsdp_units)
+        if self.parallel in _MESHED:
+            from dist_optim._plan_tp import wrap
+
+            return wrap(model, mesh, self.parallel, self.parallelize, self.fsdp_units)
         return model
+
+    def inside_fake_mode(self) -> contextlib.AbstractContextManager[Any]:
+        """Entered above ``FakeTensorMode`` for the planning: a device mesh's real tensors run outside it."""
+        if self.parallel in _MESHED:
+            from dist_optim._plan_tp import RealMeshOps
+
+            return RealMeshOps()
+        return contextlib.nullcontext()
 
     def engine_options(self) -> dict[str, Any]:
         """InBackwardOptimizer's extra options for this layout."""
@@ -104,6 +148,10 @@ class Layout:
 
     def not_seen(self) -> tuple[str, ...]:
         """What a rank of this layout holds that the plan cannot see, with its size where it was measured."""
+        if self.parallel in _MESHED:
+            from dist_optim._plan_tp import not_seen
+
+            return not_seen(self.parallel)
         if self.parallel == "fsdp2":
             return ("FSDP2's collectives on gloo: reduce_scatter_tensor allocates a copy of its input and "
                     "all_gather_into_tensor a flat output beside FSDP2's (measured on 2 gloo ranks; NCCL allocates "
@@ -114,7 +162,15 @@ class Layout:
                 "benchmarks/bench_plan_layouts.py); gloo's and NCCL's own internal buffers are not measured",)
 
     def describe(self) -> str:
-        return "one process" if self.parallel == "none" else f"per rank, {self.parallel} on {self.world_size} ranks"
+        if self.parallel == "none":
+            return "one process"
+        out = f"per rank, {self.parallel} on {self.world_size} ranks"
+        if self.parallel in ("fsdp2+tp", "hsdp"):
+            from dist_optim._plan_tp import mesh_shape
+
+            shape, names = mesh_shape(self.parallel, self.world_size, self.tp_size, self.shard_size)
+            out += f" ({' x '.join(f'{n} {k}' for n, k in zip(names, shape))})"
+        return out
 
 
 def _reduced_at_once(state: Any, bucket: Any) -> torch.futures.Future:

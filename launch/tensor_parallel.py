@@ -13,7 +13,7 @@ from torch import nn
 
 from .runtime import LaunchError, Runtime
 
-__all__ = ["TENSOR_PARALLEL", "check_tp", "data_parallel", "parallelize"]
+__all__ = ["TENSOR_PARALLEL", "check_tp", "data_parallel", "parallelize", "tensor_parallel"]
 
 TENSOR_PARALLEL = ("tp", "fsdp2+tp")  # the --parallel values that shard matmuls
 
@@ -86,17 +86,13 @@ def _to_local(module: nn.Module, args: tuple, out: Any) -> Any:
     return out.to_local() if isinstance(out, DTensor) else out
 
 
-def parallelize(model: nn.Module, parallel: str, rt: Runtime, tp_size: int) -> nn.Module:
-    """``model`` (a :class:`launch.gpt.GPT` on the run's device) tensor parallel over ``tp_size`` ranks, and for
-    ``fsdp2+tp`` then ``fully_shard``-ed over the replicas. Collective: call on every rank."""
-    from torch.distributed.device_mesh import init_device_mesh
+def tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
+    """``model`` (a :class:`launch.gpt.GPT`) tensor parallel on the 1-D ``tp_mesh``: each block's MLP sharded
+    (``ColwiseParallel`` then ``RowwiseParallel``), every other parameter a replicated DTensor; the logits are a
+    replicated DTensor (:func:`parallelize` unwraps them). The memory planner takes it as ``parallelize(model,
+    mesh)`` (``dist_optim.plan(..., parallelize=tensor_parallel)``). Collective: call on every rank."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    if parallel == "tp":
-        tp_mesh, dp_mesh = init_device_mesh(rt.device.type, (rt.world,), mesh_dim_names=("tp",)), None
-    else:
-        mesh = init_device_mesh(rt.device.type, (rt.world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
-        tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
     # Megatron's MLP: mlp.0 split by output columns, GELU on each rank's columns, mlp.2 by input rows and its
     # output all-reduced. Attention stays replicated: the fused qkv Linear's rows are [q; k; v], so a Shard(0) of it
     # would give rank 0 all of q and half of k (with 2 ranks), not its heads' q, k and v; a correct split needs a
@@ -111,6 +107,21 @@ def parallelize(model: nn.Module, parallel: str, rt: Runtime, tp_size: int) -> n
         if isinstance(module, (nn.Linear, nn.Embedding, nn.LayerNorm)) and not any(
                 hasattr(p, "placements") for p in module.parameters(recurse=False)):
             _replicate(module, tp_mesh, shared, unwrap=module is not model.head)
+    return model
+
+
+def parallelize(model: nn.Module, parallel: str, rt: Runtime, tp_size: int) -> nn.Module:
+    """``model`` (a :class:`launch.gpt.GPT` on the run's device) tensor parallel over ``tp_size`` ranks
+    (:func:`tensor_parallel`), and for ``fsdp2+tp`` then ``fully_shard``-ed over the replicas. Collective: call on
+    every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if parallel == "tp":
+        tp_mesh, dp_mesh = init_device_mesh(rt.device.type, (rt.world,), mesh_dim_names=("tp",)), None
+    else:
+        mesh = init_device_mesh(rt.device.type, (rt.world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+        tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
+    tensor_parallel(model, tp_mesh)
     if dp_mesh is not None:
         from torch.distributed.fsdp import fully_shard
 

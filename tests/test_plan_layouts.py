@@ -110,9 +110,10 @@ def test_a_ddp_rank_holds_ddps_buckets_beside_the_one_process_plan():
 
 def test_layouts_not_planned_are_refused_by_name():
     model_fn, batch_fn, loss = _gpt()
-    for parallel in ("hsdp", "fsdp2+tp", "tp"):
+    for parallel in ("zero3", "fsdp1"):
         with pytest.raises(NotImplementedError,
-                           match=rf"parallel='{re.escape(parallel)}' is not planned .*'none', 'ddp', 'fsdp2', 'pp'"):
+                           match=rf"parallel='{re.escape(parallel)}' is not planned \(unknown\).*'none', 'ddp', 'fsdp2', "
+                                 r"'tp', 'fsdp2\+tp', 'hsdp', 'pp'"):
             plan(model_fn, batch_fn, loss, world_size=2, parallel=parallel)
     with pytest.raises(ValueError, match="one process plans world_size=1"):
         plan(model_fn, batch_fn, loss, world_size=2)
@@ -120,7 +121,7 @@ def test_layouts_not_planned_are_refused_by_name():
         plan(model_fn, batch_fn, loss, world_size=2, parallel="ddp", accumulation_steps=2)
 
 
-def test_the_command_line_plans_a_ddp_rank_and_refuses_fsdp2(tmp_path, capsys):
+def test_the_command_line_plans_a_ddp_rank_and_refuses_a_pipeline_of_an_hf_model(tmp_path, capsys):
     pytest.importorskip("transformers")
     path = tmp_path / "config.json"
     path.write_text(json.dumps(TINY_LLAMA))
@@ -131,9 +132,9 @@ def test_the_command_line_plans_a_ddp_rank_and_refuses_fsdp2(tmp_path, capsys):
     assert out["options"]["layout"] == "per rank, ddp on 8 ranks"
     assert out["standard"]["peak_bytes"] == p.standard.peak_bytes
     proc = subprocess.run([sys.executable, "-m", "dist_optim.plan", "--hf-config", str(path), "--world", "8",
-                           "--parallel", "hsdp", "--batch-size", "1", "--seq-len", "32"], capture_output=True,
+                           "--parallel", "pp", "--batch-size", "1", "--seq-len", "32"], capture_output=True,
                           text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
-    assert proc.returncode != 0 and "--parallel hsdp: not planned" in proc.stderr and "none, ddp, fsdp2, pp" in proc.stderr
+    assert proc.returncode != 0 and "--parallel pp: give --model and --pp-stage-fn" in proc.stderr
 
 
 def test_an_fsdp2_rank_holds_a_shard_and_the_fake_group_is_gone_after(tmp_path, capsys):

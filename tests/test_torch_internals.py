@@ -220,6 +220,15 @@ def _check_fake() -> None:
     assert internals.is_fake(t) and not internals.is_fake(torch.zeros(2))
 
 
+def _check_unset_fake() -> None:
+    real = torch.arange(4)
+    with internals.FakeTensorMode():
+        with internals.unset_fake_temporarily():
+            out = real.view(2, 2)[1]
+        fake = torch.zeros(2)
+    assert not internals.is_fake(out) and out.tolist() == [2, 3] and internals.is_fake(fake)
+
+
 def _check_ddp_buckets() -> None:
     import torch.distributed as dist
 
@@ -456,6 +465,10 @@ CHECKS: dict[str, Entry] = {
         "torch._subclasses.fake_tensor.FakeTensorMode", "the memory planner could not trace a step", _check_fake),
     "is_fake": Entry(
         "torch._subclasses.fake_tensor.is_fake", "the planner's trace would fail on a value comparison", _check_fake),
+    "unset_fake_temporarily": Entry(
+        "torch._subclasses.fake_tensor.unset_fake_temporarily",
+        "the planner could not plan FSDP2 over a tensor-parallel mesh (a mesh's rank tensors are real)",
+        _check_unset_fake),
     "TorchDispatchMode": Entry(
         "torch.utils._python_dispatch.TorchDispatchMode", "the memory planner would see no operator",
         _check_dispatch_and_pytree),
