@@ -26,9 +26,10 @@ small at this batch). What stays beyond params + states is the largest bucket an
 backward, all gradients in the standard loop: ``floor`` (persistent / parameters) is what a model whose largest
 tensor is a small share of it approaches. Agreement: parameters, states and losses after ``--steps`` steps, bitwise,
 except with stochastic rounding, where each tensor's step draws random numbers and stepping bucket by bucket (in the
-order gradients arrive) draws them for the tensors in another order than the standard loop: there the difference is
-measured, beside that of two standard loops from different seeds. Time: the paired ratio in backward / standard of
-one configuration (``--time-config``), interleaved; printed, never asserted.
+order gradients arrive) draws them for the tensors in another order than the standard loop: dist_optim refuses that
+by default and accepts it with ``random_draws="reordered"`` (the variant ``in_backward_reordered_draws``), whose
+difference is measured beside that of two standard loops from different seeds. Time: the paired ratio in backward /
+standard of one configuration (``--time-config``), interleaved; printed, never asserted.
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ class Loop:
             self.opt = cls(self.params, **opts)
         else:
             cap = math.inf if variant == "in_backward_one_bucket" else args.bucket_cap_mb
-            with rule_bypassed() if variant == UNCHECKED else contextlib.nullcontext():
-                self.opt = dist_optim.InBackwardOptimizer(self.model, cls, bucket_cap_mb=cap, **opts)
+            draws = "reordered" if variant == REORDERED else "exact"
+            self.opt = dist_optim.InBackwardOptimizer(self.model, cls, bucket_cap_mb=cap, random_draws=draws, **opts)
         self.losses: list[float] = []
         self.rng: torch.Tensor | None = None  # None: the stream as it is when its steps start
 
@@ -131,21 +132,7 @@ class Loop:
         return [x for p in self.params for k, v in sorted(self.opt.state.get(p, {}).items()) for x in plain_tensors(v)]
 
 
-UNCHECKED = "in_backward_rule_bypassed"
-
-
-@contextlib.contextmanager
-def rule_bypassed() -> Iterator[None]:
-    """Construction without the check that refuses a class whose per-bucket step differs from its own loop: a
-    measurement of what the refusal prevents, never something the library offers."""
-    from dist_optim import _stepper
-
-    saved = _stepper.check_bucketable
-    _stepper.check_bucketable = lambda *a, **k: None
-    try:
-        yield
-    finally:
-        _stepper.check_bucketable = saved
+REORDERED = "in_backward_reordered_draws"  # in backward with random_draws="reordered"
 
 
 def agreement(a: Loop, b: Loop) -> dict[str, Any]:
@@ -186,8 +173,7 @@ def measure_loop(variant: str, cls: type, kwargs: dict[str, Any], dtype: torch.d
     def build_and_step() -> None:
         made.append(Loop(variant, cls, kwargs, dtype, args, device, x))
         torch.manual_seed(seed)  # every loop's random stream starts here
-        with rule_bypassed() if variant == UNCHECKED else contextlib.nullcontext():
-            made[0].unit()
+        made[0].unit()
 
     persistent = h.allocator_peak(build_and_step, device)
     loop = made[0]
@@ -210,7 +196,7 @@ def _first_line(e: BaseException) -> str:
 
 def bench_config(name: str, args: Any, device: torch.device, timed: bool) -> dict[str, Any]:
     what, load, kwargs, dtype = CONFIGS[name]
-    variants = ["standard", "in_backward"] + (["in_backward_one_bucket", UNCHECKED] if name in RANDOM else [])
+    variants = ["standard", "in_backward"] + (["in_backward_one_bucket", REORDERED] if name in RANDOM else [])
     out: dict[str, Any] = {"what": what, "options": dict(kwargs), "dtype": str(dtype), "refused": {}}
     try:
         cls = load()
@@ -220,9 +206,8 @@ def bench_config(name: str, args: Any, device: torch.device, timed: bool) -> dic
     # warm-up on throwaway copies: torchao compiles its step per tensor shape here, outside the meters
     for variant in list(variants):
         try:
-            with rule_bypassed() if variant == UNCHECKED else contextlib.nullcontext():
-                warm = Loop(variant, cls, kwargs, dtype, args, device, _input(args, dtype, device))
-                warm.units(args.warmup)
+            warm = Loop(variant, cls, kwargs, dtype, args, device, _input(args, dtype, device))
+            warm.units(args.warmup)
             del warm
         except NotImplementedError as e:  # dist_optim refuses it: recorded, not measured
             if variant == "standard":
@@ -251,7 +236,7 @@ def bench_config(name: str, args: Any, device: torch.device, timed: bool) -> dic
                largest_tensor_share=args.width**2 / n, memory=memory, steps=args.steps,
                agreement={v: agreement(loops[v], std) for v in variants if v != "standard"})
     if name in TARGETS:
-        steps_in_backward = [v for v in ("in_backward", UNCHECKED) if v in memory]
+        steps_in_backward = [v for v in ("in_backward", REORDERED) if v in memory]
         out["target_in_backward"] = TARGETS[name]
         out["meets_target"] = {v: memory[v]["bytes_per_param"] <= TARGETS[name] for v in steps_in_backward}
     if name in RANDOM:

@@ -23,6 +23,7 @@ DEFAULT_BUCKET_CAP_MB = 4.0
 CLIP_MODES = ("exact", "two_pass", "per_parameter", "previous_norm")
 OVERFLOW_MODES = ("exact", "per_bucket")
 NONFINITE_MODES = ("ignore", "skip", "raise")
+RANDOM_DRAW_MODES = ("exact", "reordered")
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class InBackwardOptions:
     overflow: str = "exact"
     nonfinite: str = "ignore"
     strict: bool = False
+    random_draws: str = "exact"
     grad_multiplier: float | torch.Tensor | None = field(default=None, compare=False)
     grad_divisor: int | None = None
 
@@ -78,7 +80,7 @@ class InBackwardOptions:
             if value is not None and (isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0)):
                 raise ValueError(f"{name} must be a number > 0 or None, got {value!r}")
         for name, allowed in (("clip_mode", CLIP_MODES), ("overflow", OVERFLOW_MODES),
-                              ("nonfinite", NONFINITE_MODES)):
+                              ("nonfinite", NONFINITE_MODES), ("random_draws", RANDOM_DRAW_MODES)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")

@@ -131,6 +131,8 @@ class Recipe:
         self.classes: list[type[torch.optim.Optimizer]] = []  # per group
         self.kernels: list[dict[str, Any]] = []  # per group: {"fused": True}, {"foreach": True} or {}
         self.one_step = False  # every training step is one call per class over all its groups (one bucket)
+        self.random_draws = "exact"  # InBackwardOptions.random_draws: "reordered" accepts draws reordered per bucket
+        self.reordering_refused: str | None = None  # why this setting cannot reorder draws (DDP's; None: it can)
         self.started: dict[int, dict[str, Any]] = {}  # this training step: id(facade group) -> its options before
 
     def kwargs_for(self, cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
@@ -153,7 +155,7 @@ class Recipe:
     def check(self, cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> None:
         """Refuse a group ``cls`` cannot step one bucket at a time (:func:`dist_optim._rule.check_bucketable`)."""
         one_step = self.one_step and not any(is_dtensor(p) for p in group["params"])
-        check_bucketable(cls, group, self.kwargs_for(cls), one_step)
+        check_bucketable(cls, group, self.kwargs_for(cls), one_step, self.random_draws, self.reordering_refused)
 
     def fill(self, cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> torch.optim.Optimizer:
         """An optimizer over ``group`` alone: ``cls`` fills in its defaults and checks its options and tensors."""

@@ -46,6 +46,7 @@ from dist_optim._inputs import (
 from dist_optim._optimizer_views import OptionsAndTelemetry
 from dist_optim._options import DEFAULT_BUCKET_CAP_MB, InBackwardOptions, options_from
 from dist_optim._owners import check_unowned, record_owner, release
+from dist_optim._rule import reordering_refused
 from dist_optim._stepper import Recipe
 from dist_optim._training_step import TrainingStep
 
@@ -125,8 +126,16 @@ class InBackwardOptimizer(OptionsAndTelemetry, torch.optim.Optimizer):
         ddp_comm_state: the state passed to ``ddp_comm_hook``.
         strict: raise instead of warning when a loop runs several stepping backwards between two :meth:`step`
             calls (gradient accumulation written for a standard optimizer, which steps here on every backward).
+        random_draws: ``"exact"`` (default) refuses a class whose tensors' steps draw random numbers from the
+            global streams (torchao's ``bf16_stochastic_round=True``), since stepping bucket by bucket gives each
+            tensor other draws than the standard loop's. ``"reordered"`` accepts such a class when its probes show
+            that this is the only difference: stepped one tensor at a time in the standard loop's order it is its
+            standard step bitwise, and in backward's order it draws the same numbers, the generator ending where
+            the standard loop's does. The parameters then differ from the standard loop's as two runs from
+            different seeds do (docs/optimizers.md). One process and DDP (without ``find_unused_parameters``,
+            ``static_graph`` or ignored parameters, so that every rank steps its tensors in one order) only.
         options: an :class:`~dist_optim.InBackwardOptions` holding the engine options above (from
-            ``bucket_cap_mb`` to ``strict``) as one object, in place of those keywords, which must then be left
+            ``bucket_cap_mb`` to ``random_draws``) as one object, in place of those keywords, which must then be left
             out; read back as :attr:`options`.
         **optimizer_kwargs: options of ``optimizer_class`` (``lr``, ``weight_decay``, ...), checked by
             ``optimizer_class`` itself at construction.
@@ -144,8 +153,8 @@ class InBackwardOptimizer(OptionsAndTelemetry, torch.optim.Optimizer):
         NotImplementedError: gradient norms (``max_grad_norm``, ``track_grad_norm``, ``nonfinite``) over plain
             tensors next to DTensors; FSDP1; ``accumulation_steps > 1`` with DDP or DTensor parameters;
             ``optimizer_class`` cannot be stepped one bucket at a time (its step couples tensors, keeps a counter of
-            its own, fails on probe tensors): the message says why and whether ``bucket_cap_mb=float("inf")`` makes
-            it exact.
+            its own, fails on probe tensors, draws random numbers per tensor without ``random_draws="reordered"``):
+            the message says why and whether ``bucket_cap_mb=float("inf")`` makes it exact.
 
     Example:
         >>> import torch, dist_optim
@@ -180,6 +189,7 @@ class InBackwardOptimizer(OptionsAndTelemetry, torch.optim.Optimizer):
         ddp_comm_hook: Callable[..., Any] | None = None,
         ddp_comm_state: Any = None,
         strict: bool = False,
+        random_draws: str = "exact",
         options: InBackwardOptions | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
@@ -198,6 +208,7 @@ class InBackwardOptimizer(OptionsAndTelemetry, torch.optim.Optimizer):
             accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm, clip_mode=clip_mode,
             grad_norm_type=grad_norm_type, max_grad_value=max_grad_value, track_grad_norm=track_grad_norm,
             grad_scaler=grad_scaler, overflow=overflow, nonfinite=nonfinite, strict=strict,
+            random_draws=random_draws,
         ))
         if internals.compiled_autograd_configured():
             raise RuntimeError(compiled_autograd_message())
@@ -227,6 +238,7 @@ class InBackwardOptimizer(OptionsAndTelemetry, torch.optim.Optimizer):
             frozenset(ddp_managed(ddp)) if ddp is not None else frozenset(),
         )
         self._recipe.one_step = math.isinf(options.bucket_cap_mb) and not options.per_parameter and ddp is None
+        self._recipe.random_draws, self._recipe.reordering_refused = options.random_draws, reordering_refused(ddp)
         defaults = self._recipe.defaults(first_tensor(groups), groups)
         try:
             super().__init__(groups, defaults)

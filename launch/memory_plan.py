@@ -17,7 +17,7 @@ import dist_optim
 
 from .corpus import VOCAB_SIZE
 from .gpt import from_config, loss_fn
-from .optimizers import optimizer_class, optimizer_kwargs
+from .optimizers import OPTIMIZERS, optimizer_class, optimizer_kwargs
 from .runtime import LaunchError
 from .train_config import TrainConfig
 
@@ -32,6 +32,9 @@ def plan_memory(cfg: TrainConfig) -> dist_optim.MemoryPlan:
                           f"on {world} process(es): the planner's DDP and FSDP2 are not validated yet")
     if cfg.compare:
         raise LaunchError("--plan and --compare: the one plans both loops, the other runs them; choose one")
+    if OPTIMIZERS[cfg.optimizer].matrices is not None:
+        raise LaunchError(f"--plan plans one optimizer class over the model; --optimizer {cfg.optimizer} trains "
+                          "param groups of two (Muon and AdamW), which the planner does not take")
     if cfg.batch_size % cfg.accumulation_steps:
         raise LaunchError(f"batch_size must be a multiple of world size x accumulation_steps = 1 x "
                           f"{cfg.accumulation_steps}, got {cfg.batch_size}")

@@ -31,10 +31,13 @@ previous round's store and fail to connect (pytorch/pytorch#135712; multinode_te
 
 Options that change the training loop:
 
-- ``--optimizer adamw|adamw8bit|adamw4bit|lion``: the optimizer class, fused ``torch.optim.AdamW`` by default;
+- ``--optimizer adamw|adamw8bit|adamw4bit|lion|muon``: the optimizer class, fused ``torch.optim.AdamW`` by default;
   torchao's ``AdamW8bit`` and ``AdamW4bit`` (8-bit and 4-bit states) and pytorch-optimizer's ``Lion`` need the
   ``optimizers`` extra (``pip install -e '.[optimizers]'``; without it, a one-line error). ``--lr``, ``--beta1``,
-  ``--beta2`` and ``--weight-decay`` go to whichever class. A resume keeps the checkpoint's ``--optimizer``; torchao's
+  ``--beta2`` and ``--weight-decay`` go to whichever class. ``muon``: ``torch.optim.Muon`` for the blocks' 2-D weight
+  matrices (``--lr`` and ``--weight-decay`` with ``adjust_lr_fn="match_rms_adamw"``, its own momentum 0.95) and
+  fused AdamW for the embeddings, head, norms and biases, a param group each, in both loops; one process only
+  (``--parallel none``), not with ``--plan``. A resume keeps the checkpoint's ``--optimizer``; torchao's
   quantised states are checkpointed as their codes and scales and resume exactly (under FSDP2, on the same number of
   processes only).
 - ``--optimizer-mode standard``: ``loss.backward(); opt.step(); opt.zero_grad()`` with the same class instead of

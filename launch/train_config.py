@@ -53,7 +53,7 @@ class TrainConfig:
     warmup_steps: int = _opt(20, "linear warm-up steps")
     optimizer: str = _opt("adamw", "the optimizer class, in backward and in the standard loop alike: "
                                    + "; ".join(f"{k}: {v.what}" for k, v in OPTIMIZERS.items())
-                                   + " (all but adamw need the optimizers extra)", tuple(OPTIMIZERS))
+                                   + " (all but adamw and muon need the optimizers extra)", tuple(OPTIMIZERS))
     weight_decay: float = _opt(0.1, "weight decay (decoupled, as AdamW's)")
     beta1: float = _opt(0.9, "the optimizer's beta1")
     beta2: float = _opt(0.95, "the optimizer's beta2")

@@ -21,7 +21,7 @@ import dist_optim
 
 from .corpus import VOCAB_SIZE, Corpus
 from .gpt import from_config, loss_fn
-from .optimizers import optimizer_class, optimizer_kwargs
+from .optimizers import check_parallel, optimizer_class, optimizer_kwargs, param_groups, standard_optimizer
 from .pipeline import PIPELINED, build_pipeline, run_schedule
 from .runtime import LaunchError, Runtime, sync_context, wrap
 from .tensor_parallel import check_tp, data_parallel
@@ -74,6 +74,7 @@ class Job:
                 f"{cfg.accumulation_steps}, got {cfg.batch_size}"
             )
         self.cfg, self.rt, self.corpus, self.parallel, self.mode = cfg, rt, corpus, parallel, mode
+        check_parallel(cfg.optimizer, parallel)
         torch.manual_seed(cfg.seed)
         model = from_config(cfg.to_dict(), VOCAB_SIZE)
         self.n_params = sum(p.numel() for p in model.parameters())
@@ -92,20 +93,23 @@ class Job:
             except (ValueError, NotImplementedError) as e:
                 raise LaunchError(f"dist_optim refuses this setting: {e}") from e
         elif mode == "in_backward":
+            groups = param_groups(cfg.optimizer, self.model, cfg)  # --optimizer muon: Muon's group and AdamW's
             try:
                 self.opt = dist_optim.InBackwardOptimizer(
-                    self.model, cls,
+                    self.model if groups is None else groups, cls,
                     bucket_cap_mb=cfg.bucket_cap_mb,
                     # wrappers accumulate through their own no-sync switch, TP alone through opt.no_step() (below),
                     # one process through the engine's count
                     accumulation_steps=cfg.accumulation_steps if parallel == "none" else 1,
                     max_grad_norm=cfg.max_grad_norm, clip_mode=cfg.clip_mode,
-                    track_grad_norm=cfg.track_grad_norm, **options,
+                    track_grad_norm=cfg.track_grad_norm,
+                    # the norm over the model's parameters in their order, as the standard loop takes it
+                    grad_norm_order=None if groups is None else list(self.model.parameters()), **options,
                 )
             except (ValueError, NotImplementedError, RuntimeError) as e:
                 raise LaunchError(f"dist_optim refuses this setting: {e}") from e
         else:
-            self.opt = cls(self.model.parameters(), **options)
+            self.opt = standard_optimizer(cfg.optimizer, self.model, cfg, rt.device)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             # a partial has no state for LambdaLR to save: the schedule comes from the config, also on resume
             self.opt, functools.partial(warmup_cosine, warmup=cfg.warmup_steps, total=cfg.steps,
@@ -124,7 +128,9 @@ class Job:
             if isinstance(group["lr"], torch.Tensor):  # torchao keeps lr in a tensor its compiled step reads
                 group["lr"].fill_(lr)
                 lr = group["lr"]
-            group.update(initial_lr=cfg.lr, lr=lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+            group.update(initial_lr=cfg.lr, lr=lr, weight_decay=cfg.weight_decay)
+            if "betas" in group:  # not Muon's (--optimizer muon), whose momentum is its own default
+                group["betas"] = (cfg.beta1, cfg.beta2)
 
     def extra_state(self) -> dict:
         """What a checkpoint needs besides the model, optimizer and schedule: the standard loop's previous gradient

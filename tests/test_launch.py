@@ -184,6 +184,36 @@ def test_quantised_states_resume_exactly(tmp_path):
     assert _losses(tmp_path, "part") == _losses(tmp_path, "full")
 
 
+def test_muon_for_the_matrices_compares_bitwise_with_clipping_and_resumes_exactly(tmp_path, capsys):
+    """``--optimizer muon``: torch.optim.Muon for the blocks' 2-D weight matrices, fused AdamW for the rest, in a
+    param group each, in backward and in the standard loop (one optimizer stepping a Muon and an AdamW optimizer over
+    their groups): bitwise equal losses with global-norm clipping (the norm taken over the model's parameters in
+    their order on both sides), bytes per parameter between Muon's 8 (params + momentum) and AdamW's 12, and a
+    resume gives the losses of the run that never stopped. Refused where it is not built: other wrappers (one
+    process only) and --plan."""
+    opts = ("--optimizer", "muon", "--steps", "4")
+    _train(tmp_path, "cmp", *opts, "--compare", "--max-grad-norm", "0.05", "--track-grad-norm")
+    report = json.loads((tmp_path / "cmp" / "compare" / "report.json").read_text())
+    assert report["config"]["optimizer"] == "muon"
+    assert report["losses_bitwise_equal"] and report["losses"]["in_backward"][-1] < report["losses"]["in_backward"][0]
+    held = report["params_and_states_bytes_per_param"]
+    # 24576 of the 34688 parameters are the blocks' matrices: 4 + (24576 * 4 + 10112 * 8) / 34688
+    assert held["standard"] == held["in_backward"] and abs(held["standard"][0] - 9.1684) < 1e-3, held
+    _train(tmp_path, "full", *opts)
+    _train(tmp_path, "part", *opts, "--stop-after", "2", "--checkpoint-every", "2")
+    _train(tmp_path, "part", *opts, "--resume", "latest")
+    assert _losses(tmp_path, "part") == _losses(tmp_path, "full")
+    assert train.main([*TINY, "--run-dir", str(tmp_path / "plan"), *opts, "--plan"]) == 2
+    assert "--optimizer muon trains param groups of two (Muon and AdamW)" in capsys.readouterr().err
+    from launch.optimizers import check_parallel
+    from launch.runtime import LaunchError
+
+    for parallel in ("ddp", "fsdp2", "tp", "pp"):
+        with pytest.raises(LaunchError, match=f"--optimizer muon trains on one process.*got --parallel {parallel}"):
+            check_parallel("muon", parallel)
+    check_parallel("adamw", "ddp")
+
+
 # -- two torchrun processes ---------------------------------------------------------------------------------------
 def _check_report(tmp: pathlib.Path, run: str, parallel: str) -> dict:
     report = json.loads((tmp / run / "compare" / "report.json").read_text())
