@@ -63,34 +63,69 @@ def sharding_groups(params: list[torch.Tensor]) -> list[Any]:
     return [mesh.get_group(dim) for dim in range(mesh.ndim)]
 
 
+def agreement_groups(ddp: Any, groups: list[Any]) -> list[Any]:
+    """The process groups whose ranks must build the optimizer alike: DDP's group, or one per dimension of the
+    DTensor parameters' mesh (``groups`` as ``param_groups_of`` gives them); ``[]`` for plain tensors."""
+    if ddp is not None:
+        return [ddp.process_group]
+    tensors = [e[1] if isinstance(e, tuple) else e for g in groups if isinstance(g, dict) for e in g["params"]]
+    if not any(is_dtensor(t) for t in tensors):
+        return []
+    return sharding_groups(tensors)
+
+
 def check_same_options(opt: Any, groups: list[Any], optimizer_class: type) -> None:
     """Raise on every rank if some option differs across the ranks of any of ``groups`` (``None``: the default
     group), the dimensions of one device mesh: a rank whose own groups agree learns of a mismatch elsewhere.
 
+    Collective: call on every rank of every group in ``groups``, once, at construction (or, on a rank whose
+    construction raised before, :func:`announce_failure` in its place).
+    """
+    _agree(groups, options_of(opt, optimizer_class), failed=False)
+
+
+def announce_failure(groups: list[Any], error: BaseException) -> None:
+    """On a rank whose construction raised before :func:`check_same_options`, take part in its collectives with
+    the error in place of the options, so that the other ranks raise too, naming this rank and its error, instead
+    of waiting for it until the process group times out. The caller raises ``error`` again.
+
     Collective: call on every rank of every group in ``groups``, once, at construction.
     """
+    _agree(groups, {_FAILED: f"{type(error).__name__}: {error}"}, failed=True)
+
+
+# The key under which a rank whose construction raised sends its error in place of its options
+_FAILED = "<raised>"
+
+
+def _agree(groups: list[Any], options: dict[str, str], failed: bool) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     # a fake group (the memory planner's) has no other ranks to ask
     groups = [g for g in groups if dist.get_world_size(g) > 1 and dist.get_backend(g) != "fake"]
     if not groups:
         return
-    options = options_of(opt, optimizer_class)
     digest = hashlib.sha256(repr(sorted(options.items())).encode()).hexdigest()[:16]
     mismatched = [g for g in groups if len(set(_gathered(digest, g))) > 1]
     if len(groups) > 1:  # along each dimension in turn: after the last one, every rank of the mesh knows
         anywhere = bool(mismatched)
         for g in groups:
             anywhere = any(_gathered(anywhere, g))
-        if anywhere and not mismatched:
+        if anywhere and not mismatched and not failed:
             raise ValueError(
-                "InBackwardOptimizer was built with different options on other ranks of this device mesh (those "
-                "ranks name the option), so the replicas would drift apart; build it with the same options on "
-                "every rank"
+                "InBackwardOptimizer was built with different options on other ranks of this device mesh, or "
+                "raised there while it was built (those ranks name the option or the error), so the replicas "
+                "would drift apart; build it with the same options on every rank"
             )
     lines: list[str] = []
+    raised: dict[str, list[int]] = {}
     for g in mismatched:  # in the order of the mesh's dimensions on every rank: no two ranks wait on each other
         every = _gathered(options, g)
+        for rank, o in enumerate(every):
+            if _FAILED in o:
+                raised.setdefault(o[_FAILED], []).append(rank if g is None else dist.get_global_rank(g, rank))
+        if raised:
+            continue
         keys = sorted(set().union(*every), key=lambda k: (k.startswith("param_groups"), k))
         for key in keys:
             values = [o.get(key, "<missing>") for o in every]
@@ -99,6 +134,14 @@ def check_same_options(opt: Any, groups: list[Any], optimizer_class: type) -> No
                 for rank, v in enumerate(values):
                     by_value.setdefault(v, []).append(rank if g is None else dist.get_global_rank(g, rank))
                 lines.append(f"{key}: " + "; ".join(f"{v} on ranks {r}" for v, r in by_value.items()))
+    if failed:
+        return  # the caller raises its own error
+    if raised:
+        raise RuntimeError(
+            "InBackwardOptimizer raised on other ranks while it was built, so this rank stops too instead of "
+            "waiting for them in a collective: " + " | ".join(f"ranks {sorted(set(r))}: {e}" for e, r in
+                                                              raised.items())
+        )
     if mismatched:
         raise ValueError(
             "InBackwardOptimizer was built with different options on different ranks, so the replicas would drift "

@@ -28,7 +28,7 @@ from dist_optim._class_state import (
 )
 from dist_optim._ddp import DDPCommHook, check_ddp, ddp_managed
 from dist_optim._engine import Engine
-from dist_optim._fingerprint import check_same_options, sharding_groups
+from dist_optim._fingerprint import agreement_groups, announce_failure, check_same_options
 from dist_optim._fsdp2 import fsdp_units
 from dist_optim._guards import compiled_autograd_message
 from dist_optim._inputs import (
@@ -37,7 +37,6 @@ from dist_optim._inputs import (
     check_sparse_modules,
     checked_entries,
     first_tensor,
-    is_dtensor,
     module_params,
     norm_order_of,
     param_groups_of,
@@ -223,6 +222,20 @@ class InBackwardOptimizer(OptionsAndTelemetry, torch.optim.Optimizer):
             check_sparse_modules(module, optimizer_class)
             params = module_params(module)
         groups = param_groups_of(params)
+        # Every rank of these groups must build the optimizer alike (checked below); a rank that raises before the
+        # check takes part in it with its error, so that the others raise too instead of waiting for it.
+        self._agree_on: list[Any] | None = agreement_groups(ddp, groups)
+        try:
+            self._build(ddp, groups, optimizer_class, optimizer_kwargs, options, edges, grad_norm_order,
+                        ddp_comm_hook, ddp_comm_state)
+        except Exception as e:
+            if self._agree_on:
+                announce_failure(self._agree_on, e)
+            raise
+
+    def _build(self, ddp: Any, groups: list[Any], optimizer_class: type[torch.optim.Optimizer],
+               optimizer_kwargs: dict[str, Any], options: InBackwardOptions, edges: TrainingStep,
+               grad_norm_order: Any, ddp_comm_hook: Any, ddp_comm_state: Any) -> None:
         self._optimizer_class = optimizer_class
         self._recipe = Recipe(self, optimizer_class, optimizer_kwargs)
         # Under DDP: parameters DDP reduces are stepped by its communication hook; the ones it ignores keep a local
@@ -245,10 +258,9 @@ class InBackwardOptimizer(OptionsAndTelemetry, torch.optim.Optimizer):
             self._norm_order = norm_order_of(grad_norm_order)
             self._rank_norms()
             edges.framework_watch.at_construction(self)
-            if ddp is not None or any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
-                groups = [ddp.process_group] if ddp is not None else sharding_groups(
-                    [p for g in self.param_groups for p in g["params"]])
-                check_same_options(self, groups, optimizer_class)
+            agree_on, self._agree_on = self._agree_on, None  # from here on, every rank is in the check
+            if agree_on:
+                check_same_options(self, agree_on, optimizer_class)
             if reductions is not None:
                 reductions.attach(self._engine)
                 edges.ddp_hook = reductions

@@ -7,6 +7,7 @@ process group exists.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch.distributed as dist
 import dist_optim
 from dist_runner import run_fresh
 from helpers import assert_same_params, batches, make_model, train_in_backward, train_standard
+from test_reordered_draws import NoisySGD
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
 
@@ -69,6 +71,29 @@ def _options_differ(ctx) -> None:
     # Clipping on one rank only would wait forever in its norm's collective: refused instead.
     with pytest.raises(ValueError, match=r"max_grad_norm: 1\.0 on ranks \[0\]; None on ranks \[1\]"):
         dist_optim.InBackwardOptimizer(ddp, torch.optim.SGD, lr=0.1, max_grad_norm=1.0 if rank == 0 else None)
+    # A rank whose construction raises (an option torch refuses, a class refused on that rank only) raises its
+    # own error; the other ranks raise too, naming it, instead of waiting for it in the options check.
+    for kwargs, error, message in (
+        ({"lr": 0.1 if rank == 0 else -1.0}, ValueError, "Invalid learning rate: -1.0"),
+        ({"random_draws": "reordered" if rank == 0 else "exact"}, NotImplementedError, "random_draws='reordered'"),
+    ):
+        cls = NoisySGD if "random_draws" in kwargs else torch.optim.SGD
+        if rank == 1:
+            with pytest.raises(error, match=message):
+                dist_optim.InBackwardOptimizer(ddp, cls, per_parameter=True, **kwargs)
+        else:
+            with pytest.raises(RuntimeError, match=r"raised on other ranks while it was built.*ranks \[1\]: "
+                                                   f"{error.__name__}: .*{re.escape(message)}"):
+                dist_optim.InBackwardOptimizer(ddp, cls, per_parameter=True, **kwargs)
+        assert not any(p._post_accumulate_grad_hooks for p in ddp.parameters())  # nothing stayed attached
+    # the same over FSDP2's DTensor parameters (the mesh's groups)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = fully_shard(make_model(), mesh=init_device_mesh("cpu", (2,)))
+    expected = (ValueError, "Invalid learning rate") if rank == 1 else (RuntimeError, r"ranks \[1\]: ValueError")
+    with pytest.raises(expected[0], match=expected[1]):
+        dist_optim.InBackwardOptimizer(sharded, torch.optim.SGD, lr=0.1 if rank == 0 else -1.0)
     # DDP rebuilds its buckets after iteration 0: only the current ones are listed, each parameter once.
     ddp = torch.nn.parallel.DistributedDataParallel(make_model(), bucket_cap_mb=300 / 2**20)
     opt = dist_optim.InBackwardOptimizer(ddp, torch.optim.SGD, lr=0.1)
