@@ -59,7 +59,7 @@ class Backward:
     """The state of one backward; the next backward starts a new one."""
 
     __slots__ = ("task", "previous_task", "run", "takes_grads", "policy", "began", "held", "held_ok", "learning",
-                 "learning_bytes", "ended", "live_bytes", "peak_bytes", "tensors_stepped")
+                 "learning_bytes", "ended", "cleared", "live_bytes", "peak_bytes", "tensors_stepped")
 
     def __init__(self, task: int, previous_task: int, run: Run, policy: GradPolicy | None) -> None:
         self.task = task  # the autograd graph task running it (OUTSIDE_BACKWARD: a standard step or a window)
@@ -74,6 +74,7 @@ class Backward:
         self.learning: list[int] = []  # the parameters of the bucket being learned, in arrival order
         self.learning_bytes = 0  # their gradient bytes
         self.ended = run is Run.NONE  # whether its end ran; if not, the next backward recovers from it
+        self.cleared = False  # whether opt.zero_grad() ran after it: nothing it left is in .grad any more
         self.live_bytes = 0  # gradient bytes arrived in it and not yet freed
         self.peak_bytes = 0  # the most ``live_bytes`` ever was
         self.tensors_stepped = 0

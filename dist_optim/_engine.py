@@ -251,29 +251,46 @@ class Engine:
             guard_graph(roots)
         self.backward = bw = Backward(tid, last.task, run, policy)
         if run.steps:
-            policy.begin()
+            try:
+                policy.begin()
+            except BaseException:  # refused (a GradScaler that never scaled), as by _refuse
+                self._drop_gradient(first)
+                raise
             if not self.learner.graph_read and roots is not None and self.learner.read_graph(roots):
                 # a reentrant checkpoint segment: refused before a bucket outside it (a head over the cap, or
-                # per_parameter) is stepped; its gradients are dropped by the next backward, as after any error
-                bw.learning = [first] if first is not None else []
+                # per_parameter) is stepped
+                self._drop_gradient(first)
                 refuse_nested_backward()
         if not window:
             _queue_callback(lambda: self._end_of_backward(tid))
         return bw
 
     def _refuse(self, tid: int, last: Backward, first: int | None, message: str) -> None:
-        """Refuse the backward beginning at ``first``'s hook before anything steps; the gradients it leaves (``first``'s
-        own is there already) are dropped by the next backward, as after any backward that raised."""
-        self.backward = refused = Backward(tid, last.task, Run.STEP, None)
-        refused.learning = [first] if first is not None else []
+        """Refuse the backward beginning at ``first``'s hook before anything steps."""
+        self.backward = Backward(tid, last.task, Run.STEP, None)
+        self._drop_gradient(first)
         raise RuntimeError(message)
+
+    def _drop_gradient(self, first: int | None) -> None:
+        """A backward refused at ``first``'s hook, its first: drop the gradient that hook got, this backward's alone
+        (what an earlier unfinished backward left was dropped before), so that the next backward starts as if the
+        refused one had not run. Were it kept, the next backward could not tell it from its own part and would
+        drop both."""
+        if first is not None:
+            self.params[first].grad = None
+
+    def gradients_cleared(self) -> None:
+        """``opt.zero_grad()`` ran: whatever an unfinished backward left in ``.grad`` is gone, so the next backward
+        keeps and steps all of its own gradients (it would otherwise drop its first tensor's, which it cannot tell
+        from a stale one)."""
+        self.backward.cleared = True
 
     def _recover(self, last: Backward, first: int | None) -> None:
         """The backward ``last`` never reached its end (it raised, was interrupted, or its callback was lost): its
         partial buckets are forgotten and, if it stepped, the gradients it left are dropped, so that this backward
         does not step on them. ``first``'s gradient already holds this backward's part too: dropped if it may
         hold a stale one."""
-        mixed = last.run.steps and first is not None and (
+        mixed = last.run.steps and not last.cleared and first is not None and (
             first in last.learning or any(first in b.indices for b, _ in last.held)
             or (self.bucket_of[first] is not None and _was_partial(self.bucket_of[first], last))
         )
@@ -283,7 +300,7 @@ class Engine:
             return  # a micro-batch that only accumulates: as in the standard loop, .grad keeps what it got
         dropped = 0
         for i, p in enumerate(self.params):
-            if p.grad is not None and (i != first or mixed):
+            if p.grad is not None and not last.cleared and (i != first or mixed):
                 p.grad = None
                 dropped += 1
         if not (dropped or last.tensors_stepped):

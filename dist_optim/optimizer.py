@@ -445,6 +445,14 @@ class InBackwardOptimizer(OptionsAndTelemetry, torch.optim.Optimizer):
         """
         return self._edges.step(closure, sys._getframe(1))
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``. After a backward that raised, it also means the next backward
+        has no stale gradient to tell apart from its own, so it steps all of them (without it, the next backward
+        drops what the failed one left, its first tensor's gradient included, and warns: docs/limitations.md,
+        'A backward that raises')."""
+        super().zero_grad(set_to_none)
+        self._engine.gradients_cleared()
+
     # -- state --------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """``optimizer_class``'s state dict format. With ``clip_mode="previous_norm"`` after a step, one more key,

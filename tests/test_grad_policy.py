@@ -190,6 +190,38 @@ def test_a_loop_that_still_calls_scaler_step_works():
     assert_same_params(model, ref)
 
 
+def test_a_backward_without_scaler_scale_is_refused_until_the_scaler_has_scaled_then_is_the_standard_loops():
+    model, ref = twins()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    opt = InBackwardOptimizer(model.named_parameters(), torch.optim.SGD, lr=0.1, grad_scaler=scaler, **SMALL_BUCKETS)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    data = batches(4)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"grad_scaler is set but scaler\.scale\(loss\) was not used"):
+            loss_of(model, data[0]).backward()
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # nothing stepped
+    with pytest.raises(AssertionError, match=r"scaler\.scale\(loss or outputs\)"):  # the standard loop's own
+        loss_of(ref, data[0]).backward()
+        ref_scaler.step(ref_opt)
+    # The gradient the refused backward left (its first tensor's) was dropped with it: the next backward is exact
+    # without opt.zero_grad() (it summed that gradient into its own, silently, before).
+    ref_opt.zero_grad()
+    for batch, scaled in ((data[1], True), (data[2], False)):
+        # Once the scaler has scaled a loss, a backward that skips scale(loss) is not seen (its graph's saved
+        # tensors are freed before the first gradient hook runs): it steps as the standard loop's scaler.step does,
+        # on the gradient divided by the scale (docs/limitations.md).
+        for m, o, s in ((model, opt, scaler), (ref, ref_opt, ref_scaler)):
+            loss = loss_of(m, batch)
+            (s.scale(loss) if scaled else loss).backward()
+            if o is ref_opt:
+                s.step(o)
+            s.update()
+            o.zero_grad()
+        assert_same_params(model, ref)
+
+
 @pytest.mark.parametrize("held", [False, True], ids=["per_bucket", "held"])
 def test_nonfinite_skip_counts_and_does_not_step(held):
     model = make_model()

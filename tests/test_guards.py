@@ -121,6 +121,26 @@ def test_stale_gradients_of_a_failed_backward_are_dropped_not_stepped(cap):
     assert_same_params(model, ref)
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_after_a_failed_backward_lets_the_next_one_step_all_its_gradients(set_to_none):
+    model = make_model()
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9, bucket_cap_mb=1.0)
+    data = batches(3)
+    loss_of(model, data[0]).backward()
+    _failing_backward(model, data[1])  # one bucket: nothing stepped, gradients left in .grad
+    assert not opt.step_incomplete and any(p.grad is not None for p in model.parameters())
+    ref = make_model()
+    ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    opt.zero_grad(set_to_none=set_to_none)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing stale is left to drop, so nothing is said
+        loss_of(model, data[2]).backward()
+    train_standard(ref, ref_opt, data[2:])
+    assert_same_params(model, ref)  # every tensor stepped, the first one's gradient included
+
+
 def test_step_incomplete_is_true_while_buckets_are_being_stepped():
     model = make_model()
     opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, per_parameter=True)
@@ -234,14 +254,13 @@ def test_compiled_autograd_is_refused_before_anything_steps_and_leaves_no_stale_
         loss_of(model, data[0]).backward()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert not opt.step_incomplete
-    # The next (eager) backward drops what the refused one left and steps on its own gradients only.
-    with pytest.warns(RuntimeWarning, match="gradients left from it were dropped"):
+    # The refused backward's gradient went with it: the next (eager) backward steps on its own gradients, all of them.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         loss_of(model, data[1]).backward()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=True)
     train_standard(ref, ref_opt, data[1:])
-    for p, q, b in zip(model.parameters(), ref.parameters(), before):
-        if not torch.equal(p, b):  # the tensor whose fresh gradient was mixed with its stale one is not stepped
-            torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert_same_params(model, ref)
     with (
         dynamo.config.patch(compiled_autograd=True),
         pytest.raises(RuntimeError, match=r"compiled autograd is on \(torch._dynamo.config.compiled_autograd"),
