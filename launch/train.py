@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import pathlib
 import statistics
 import sys
@@ -198,8 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     run."""
     cfg = parse_config(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if cfg.plan:  # no process group, no corpus: fake tensors of the job's shapes
+    if cfg.plan or cfg.nproc is not None:  # no process group, no corpus: fake tensors of the job's shapes
+        if int(os.environ.get("RANK", "0")):
+            return 0  # under torchrun: rank 0 plans the job (or refuses it); the others have nothing to do
         try:
+            if not cfg.plan:
+                raise LaunchError(f"--nproc {cfg.nproc} sizes the job --plan plans; to run on {cfg.nproc} "
+                                  f"processes, launch with torchrun --nproc-per-node {cfg.nproc}")
             plan_memory(cfg)
         except LaunchError as e:
             _error(None, str(e))
