@@ -1,8 +1,12 @@
-"""``launch.train --plan``: the job's memory planned on fake tensors (``dist_optim.plan``) instead of trained.
+"""``launch.train --plan``: the job the flags describe, its memory planned on fake tensors (``dist_optim.plan``)
+instead of trained, for one representative rank of its layout.
 
-The same model, micro-batch, AdamW options, bucket cap, clipping and accumulation as the run would use, one warm
-step of each loop; the table is printed, RUN_DIR/plan.json (and plan.png, with matplotlib) written. One process:
-a world size and a wrapper are refused until the planner's fake process group is validated against measurement.
+The layout is the run's (``--parallel`` none, ddp, fsdp2, tp, fsdp2+tp or pp, resolved and checked by the trainer's
+own functions), over the world size torchrun gives (``WORLD_SIZE``: rank 0 plans, the others exit at once) or
+``--nproc N`` without torchrun: no process group either way, the planner's fake one stands in. The model, each
+rank's micro-batch (the trainer's split of ``--batch-size`` over the data-parallel ranks and micro-batches), the
+optimizer's class and options, bucket cap, clipping and accumulation are the run's. The table is printed,
+RUN_DIR/plan.json (and plan.png, with matplotlib) written. What the planner cannot plan is a one-line error.
 """
 
 from __future__ import annotations
@@ -10,47 +14,135 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 import dist_optim
 
 from .corpus import VOCAB_SIZE
 from .gpt import from_config, loss_fn
-from .optimizers import OPTIMIZERS, optimizer_class, optimizer_kwargs
-from .runtime import LaunchError
-from .train_config import TrainConfig
+from .optimizers import OPTIMIZERS, check_parallel, optimizer_class, optimizer_kwargs
+from .pipeline import MICROBATCHES, SCHEDULE, check_pipeline, gpt_stage
+from .runtime import LaunchError, Runtime, resolve_parallel
+from .tensor_parallel import TENSOR_PARALLEL, check_tp, data_parallel, tensor_parallel
+from .train_config import MODEL_SHAPE, TrainConfig
 
-__all__ = ["plan_memory"]
+__all__ = ["PlannedJob", "plan_arguments", "plan_memory", "planned_job"]
 
 
-def plan_memory(cfg: TrainConfig) -> dist_optim.MemoryPlan:
-    """Plan ``cfg``'s job on one process; prints the table, writes RUN_DIR/plan.json (and plan.png)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 or cfg.parallel not in ("auto", "none"):
-        raise LaunchError(f"--plan plans one process (--parallel none, no torchrun), got --parallel {cfg.parallel} "
-                          f"on {world} process(es): the planner's DDP and FSDP2 are not validated yet")
+@dataclass(frozen=True)
+class PlannedJob:
+    """The job ``--plan`` plans, as the run would lay it out on rank 0."""
+
+    parallel: str  # the resolved --parallel
+    world: int  # processes in the job
+    world_from: str  # where the world size came from: "--nproc", "torchrun" or "one process"
+    tp_size: int  # tensor-parallel ranks per replica (0: none)
+    stages: int  # pipeline stages (0: no pipeline)
+    micro_batch: tuple[int, int]  # one rank's micro-batch: (sequences, tokens)
+    micro_batches: int  # micro-batches per optimizer step: --accumulation-steps, or the schedule's --microbatches
+
+    def describe(self) -> str:
+        rows, tokens = self.micro_batch
+        where = ("one process" if self.parallel == "none" else
+                 f"--parallel {self.parallel} on {self.world} processes ({self.world_from}), per "
+                 f"{'stage ' if self.stages else ''}rank")
+        return f"planned: {where}; micro-batch {rows} x {tokens} tokens, {self.micro_batches} per step"
+
+
+def planned_job(cfg: TrainConfig, environ: Mapping[str, str] = os.environ) -> PlannedJob:
+    """The layout, world size and per-rank batch of ``cfg``'s job (``environ``: torchrun's variables, if any), or a
+    LaunchError naming the flag the planner cannot take."""
     if cfg.compare:
         raise LaunchError("--plan and --compare: the one plans both loops, the other runs them; choose one")
     if OPTIMIZERS[cfg.optimizer].matrices is not None:
         raise LaunchError(f"--plan plans one optimizer class over the model; --optimizer {cfg.optimizer} trains "
                           "param groups of two (Muon and AdamW), which the planner does not take")
-    if cfg.batch_size % cfg.accumulation_steps:
-        raise LaunchError(f"batch_size must be a multiple of world size x accumulation_steps = 1 x "
-                          f"{cfg.accumulation_steps}, got {cfg.batch_size}")
-    shape = (cfg.batch_size // cfg.accumulation_steps, cfg.block_size)
+    world, source = int(environ.get("WORLD_SIZE", "0")), "torchrun"
+    if not world:
+        world, source = (1, "one process") if cfg.nproc is None else (cfg.nproc, "--nproc")
+    elif cfg.nproc is not None and cfg.nproc != world:
+        raise LaunchError(f"--nproc {cfg.nproc} under torchrun, which started {world} processes: drop --nproc (the "
+                          "job's size is torchrun's) or launch without torchrun")
+    if cfg.parallel not in ("auto", "none") and source == "one process":
+        raise LaunchError(f"--plan --parallel {cfg.parallel} plans a job of several processes: give their number "
+                          "with --nproc N (or launch with torchrun)")
+    # rank 0 as the run would see it; planning calls no collective, so no process group stands behind it
+    rt = Runtime(rank=0, world=world, local_rank=0, device=torch.device("cpu"), distributed=source != "one process")
+    parallel = resolve_parallel(cfg.parallel, rt)
+    check_parallel(cfg.optimizer, parallel)
+    tp_size, stages = check_tp(cfg, rt, parallel), check_pipeline(cfg, rt, parallel)
+    if parallel == "pp+fsdp2":
+        raise LaunchError(f"--plan --parallel pp+fsdp2 (--pp-stages {cfg.pp_stages}): dist_optim.plan plans one "
+                          "pipeline stage per rank (--parallel pp), not stages sharded with FSDP2")
+    if parallel != "none" and cfg.accumulation_steps > 1:
+        raise LaunchError(f"--plan --accumulation-steps {cfg.accumulation_steps} with --parallel {parallel}: "
+                          "dist_optim.plan plans accumulation on one process only (--parallel none)")
+    if stages:  # each pipeline takes its part of the global batch, which the schedule splits
+        micro = cfg.microbatches or MICROBATCHES
+        rows = cfg.batch_size // (world // stages) // micro
+    else:
+        _, dp_size = data_parallel(rt, parallel, tp_size)
+        micro = cfg.accumulation_steps
+        if cfg.batch_size % (dp_size * micro):
+            raise LaunchError(f"batch_size must be a multiple of the data-parallel ranks x accumulation_steps = "
+                              f"{dp_size} x {micro}, got {cfg.batch_size}")
+        rows = cfg.batch_size // (dp_size * micro)
+    return PlannedJob(parallel, world, source, tp_size, stages, (rows, cfg.block_size), micro)
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules the trainer ``fully_shard``-s before the root."""
+    return list(model.blocks)
+
+
+def _logits_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    logits = model(batch[0])
+    if hasattr(logits, "to_local"):  # tensor parallel's replicated logits: the trainer unwraps them (a view)
+        logits = logits.to_local()
+    return loss_fn(logits, batch[1])
+
+
+def plan_arguments(cfg: TrainConfig, job: PlannedJob) -> dict[str, Any]:
+    """``dist_optim.plan``'s arguments for ``job``: the trainer's model, batch, loss, optimizer and layout."""
+    shape = job.micro_batch
 
     def batch() -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randint(0, VOCAB_SIZE, shape), torch.randint(0, VOCAB_SIZE, shape)
 
-    plan = dist_optim.plan(
-        lambda: from_config(cfg.to_dict(), VOCAB_SIZE), batch, lambda model, b: loss_fn(model(b[0]), b[1]),
-        optimizer_class(cfg.optimizer), bucket_cap_mb=cfg.bucket_cap_mb, accumulation_steps=cfg.accumulation_steps,
-        max_grad_norm=cfg.max_grad_norm, clip_mode=cfg.clip_mode, track_grad_norm=cfg.track_grad_norm,
-        **optimizer_kwargs(cfg.optimizer, cfg, torch.device("cpu")),
-    )
-    plan.options.update(micro_batch=list(shape), **{k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd",
-                                                                              "block_size", "tie_weights")})
+    loss: Callable[..., torch.Tensor] = loss_fn if job.stages else _logits_loss
+    layout: dict[str, Any] = {"parallel": job.parallel, "world_size": job.stages or job.world}
+    if job.parallel in ("fsdp2", "fsdp2+tp"):
+        layout["fsdp_units"] = _blocks
+    if job.parallel in TENSOR_PARALLEL:
+        layout["parallelize"] = tensor_parallel
+    if job.parallel == "fsdp2+tp":
+        layout["tp_size"] = job.tp_size
+    if job.stages:
+        layout.update(n_microbatches=job.micro_batches, pp_schedule=cfg.pp_schedule or SCHEDULE,
+                      pp_stage_fn=gpt_stage)
+    return dict(model_fn=lambda: from_config(cfg.to_dict(), VOCAB_SIZE), batch_fn=batch, loss_fn=loss,
+                optimizer_class=optimizer_class(cfg.optimizer), bucket_cap_mb=cfg.bucket_cap_mb,
+                accumulation_steps=1 if job.stages else job.micro_batches, max_grad_norm=cfg.max_grad_norm,
+                clip_mode=cfg.clip_mode, track_grad_norm=cfg.track_grad_norm, **layout,
+                **optimizer_kwargs(cfg.optimizer, cfg, torch.device("cpu")))
+
+
+def plan_memory(cfg: TrainConfig) -> dist_optim.MemoryPlan:
+    """Plan ``cfg``'s job for one rank; prints the table, writes RUN_DIR/plan.json (and plan.png)."""
+    job = planned_job(cfg)
+    try:
+        plan = dist_optim.plan(**plan_arguments(cfg, job))
+    except (ValueError, NotImplementedError) as e:
+        raise LaunchError(f"--plan cannot plan --parallel {job.parallel} on {job.world} process(es) with these "
+                          f"flags: {' '.join(str(e).split())}") from e
+    plan.options.update(micro_batch=list(job.micro_batch), micro_batches_per_step=job.micro_batches,
+                        batch_size=cfg.batch_size, world_from=job.world_from, optimizer=cfg.optimizer,
+                        **{k: getattr(cfg, k) for k in MODEL_SHAPE})
     run_dir = pathlib.Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(timeline=True)) + "\n")
@@ -60,6 +152,7 @@ def plan_memory(cfg: TrainConfig) -> dist_optim.MemoryPlan:
         written.append(str(run_dir / "plan.png"))
     except ImportError:
         pass
+    print(job.describe())
     print(plan.table())
     print(f"written: {', '.join(written)}")
     return plan

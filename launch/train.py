@@ -73,8 +73,14 @@ Options that change the training loop:
   deletes the checkpoints such a run would write over.
 - SIGTERM (what a scheduler sends before it kills a job): every rank stops after the same step, saves a checkpoint
   and exits with code 0; ``--resume latest`` continues exactly.
-- ``--plan``: plan the job's memory instead of running it (one process): both loops' peaks, their split and the
-  saving, from one warm step on fake tensors (``dist_optim.plan``); RUN_DIR/plan.json and plan.png.
+- ``--plan``: plan the job's memory instead of running it: both loops' peaks per rank, their split and the saving,
+  from one warm step on fake tensors (``dist_optim.plan``) for one representative rank of the layout the flags
+  describe (``--parallel`` none, ddp, fsdp2, tp, fsdp2+tp or pp, with ``--tp-size``, ``--pp-stages``,
+  ``--microbatches``, ``--pp-schedule``), on the micro-batch the run would give each rank; it prints the layout, the
+  world size and the table, and writes RUN_DIR/plan.json and plan.png. The world size is torchrun's (rank 0 plans,
+  the others exit at once; no process group is made) or, without torchrun, ``--nproc N``: an 8-process job planned
+  on a laptop, ``python -m launch.train --plan --nproc 8 --parallel ddp``. Not planned, a one-line error:
+  ``--parallel pp+fsdp2``, ``--accumulation-steps`` above 1 with a wrapper, ``--optimizer muon``.
 - ``--compare``: train the job with both loops, step by step, and write RUN_DIR/compare/report.md, report.json and
   compare.png (loss curves, their max difference, step times, per-rank peak memory and one step's memory timeline,
   and bytes per parameter of both loops: parameters and optimizer states counted from their tensors, then with the
@@ -89,6 +95,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import pathlib
 import statistics
 import sys
@@ -198,8 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     run."""
     cfg = parse_config(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if cfg.plan:  # no process group, no corpus: fake tensors of the job's shapes
+    if cfg.plan or cfg.nproc is not None:  # no process group, no corpus: fake tensors of the job's shapes
+        if int(os.environ.get("RANK", "0")):
+            return 0  # under torchrun: rank 0 plans the job (or refuses it); the others have nothing to do
         try:
+            if not cfg.plan:
+                raise LaunchError(f"--nproc {cfg.nproc} sizes the job --plan plans; to run on {cfg.nproc} "
+                                  f"processes, launch with torchrun --nproc-per-node {cfg.nproc}")
             plan_memory(cfg)
         except LaunchError as e:
             _error(None, str(e))

@@ -23,7 +23,8 @@ __all__ = ["MODEL_SHAPE", "PROCESS_OPTIONS", "TrainConfig", "parse_config"]
 MODEL_SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "tie_weights")
 # options of one process run, not of the training: a resume may change them without notice
 PROCESS_OPTIONS = ("stop_after", "device", "threads", "parallel", "pp_stages", "tp_size", "run_dir", "log_every",
-                   "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "compare", "profile_step", "plan")
+                   "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "compare", "profile_step", "plan",
+                   "nproc")
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -107,8 +108,12 @@ class TrainConfig:
                                 "step, and write RUN_DIR/compare/report.{md,json} and compare.png")
     profile_step: int = _opt(-1, "--compare: the step whose memory is profiled (-1: the last one)")
     plan: bool = _opt(False, "plan the job's memory instead of running it: one warm step of each loop on fake "
-                             "tensors (dist_optim.plan), one process; prints the peaks and writes "
-                             "RUN_DIR/plan.json and plan.png (docs/planning.md)")
+                             "tensors (dist_optim.plan) for one representative rank of the job the flags describe "
+                             "(--parallel over --nproc or torchrun's processes; under torchrun rank 0 plans, the "
+                             "others exit); prints the per-rank peaks and writes RUN_DIR/plan.json and plan.png "
+                             "(docs/planning.md)")
+    nproc: int | None = _opt(None, "--plan: the number of processes of the job planned, without torchrun (an "
+                                   "8-process job planned on a laptop); none = torchrun's WORLD_SIZE, else 1")
 
     def __post_init__(self) -> None:
         checks = [
@@ -135,6 +140,7 @@ class TrainConfig:
             (self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints!r}"),
             (self.pp_stages is None or self.pp_stages >= 1, f"pp_stages must be >= 1, got {self.pp_stages!r}"),
             (self.tp_size is None or self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size!r}"),
+            (self.nproc is None or self.nproc >= 1, f"nproc must be >= 1, got {self.nproc!r}"),
             (self.microbatches is None or self.microbatches >= 1,
              f"microbatches must be >= 1, got {self.microbatches!r}"),
         ]

@@ -184,13 +184,13 @@ def test_quantised_states_resume_exactly(tmp_path):
     assert _losses(tmp_path, "part") == _losses(tmp_path, "full")
 
 
-def test_muon_for_the_matrices_compares_bitwise_with_clipping_and_resumes_exactly(tmp_path, capsys):
+def test_muon_for_the_matrices_compares_bitwise_with_clipping_and_resumes_exactly(tmp_path):
     """``--optimizer muon``: torch.optim.Muon for the blocks' 2-D weight matrices, fused AdamW for the rest, in a
     param group each, in backward and in the standard loop (one optimizer stepping a Muon and an AdamW optimizer over
     their groups): bitwise equal losses with global-norm clipping (the norm taken over the model's parameters in
     their order on both sides), bytes per parameter between Muon's 8 (params + momentum) and AdamW's 12, and a
     resume gives the losses of the run that never stopped. Refused where it is not built: other wrappers (one
-    process only) and --plan."""
+    process only); --plan's refusal is in test_launch_plan.py."""
     opts = ("--optimizer", "muon", "--steps", "4")
     _train(tmp_path, "cmp", *opts, "--compare", "--max-grad-norm", "0.05", "--track-grad-norm")
     report = json.loads((tmp_path / "cmp" / "compare" / "report.json").read_text())
@@ -203,8 +203,6 @@ def test_muon_for_the_matrices_compares_bitwise_with_clipping_and_resumes_exactl
     _train(tmp_path, "part", *opts, "--stop-after", "2", "--checkpoint-every", "2")
     _train(tmp_path, "part", *opts, "--resume", "latest")
     assert _losses(tmp_path, "part") == _losses(tmp_path, "full")
-    assert train.main([*TINY, "--run-dir", str(tmp_path / "plan"), *opts, "--plan"]) == 2
-    assert "--optimizer muon trains param groups of two (Muon and AdamW)" in capsys.readouterr().err
     from launch.optimizers import check_parallel
     from launch.runtime import LaunchError
 
@@ -388,29 +386,3 @@ def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_and_resumes_exac
     assert _steps_on_disk(tmp_path, "run") == stopped and len(_losses(tmp_path, "run")) == stopped[0] + 1
     _train(tmp_path, "run", *opts, "--resume", "latest", nproc=2)
     assert _losses(tmp_path, "run") == _losses(tmp_path, "full")
-
-
-# -- --plan -------------------------------------------------------------------------------------------------------
-def test_plan_predicts_the_peaks_and_the_saving_compare_measures(tmp_path, capsys):
-    """--plan against --compare's own measurement of the same job (allocator peaks of one warm step): gradients
-    above the activations at this shape, so that the saving shows."""
-    job = ["--n-layer", "2", "--n-head", "4", "--n-embd", "256", "--block-size", "32", "--batch-size", "4",
-           "--corpus-mb", "0.25", "--steps", "3", "--warmup-steps", "1", "--threads", "1", "--log-every", "100",
-           "--bucket-cap-mb", "0.5"]
-    assert train.main([*job, "--run-dir", str(tmp_path / "plan"), "--plan"]) == 0
-    out = capsys.readouterr().out
-    assert "saving:" in out and "not seen:" in out and (tmp_path / "plan" / "plan.json").exists()
-    assert not (tmp_path / "plan" / "metrics.jsonl").exists()  # planned, not run
-    planned = json.loads((tmp_path / "plan" / "plan.json").read_text())
-    assert train.main([*job, "--run-dir", str(tmp_path / "run"), "--compare"]) == 0
-    measured = json.loads((tmp_path / "run" / "compare" / "report.json").read_text())["peak_memory_bytes_per_rank"]
-    for loop in ("standard", "in_backward"):
-        assert abs(planned[loop]["step_peak_bytes"] / measured[loop][0] - 1) <= 0.10, (loop, planned, measured)
-    saving = measured["standard"][0] - measured["in_backward"][0]
-    assert saving > 2**20 and abs(planned["saving_bytes"] / saving - 1) <= 0.10, (planned["saving_bytes"], saving)
-
-
-def test_plan_refuses_a_wrapper_in_one_line(tmp_path, capsys):
-    assert train.main([*TINY, "--run-dir", str(tmp_path / "r"), "--plan", "--parallel", "ddp"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("launch.train: error: --plan plans one process") and len(err.splitlines()) == 1
