@@ -269,8 +269,13 @@ def test_a_checkpoint_of_another_model_and_wrong_shapes_are_refused(tmp_path):
     _trained(tmp_path)
     with pytest.raises(CheckpointError, match=r"(?s)2 missing.*10 unexpected"):
         load(tmp_path / "ck", model=nn.Sequential(nn.Linear(8, 8)))
+    wide = make_model(width=16)
+    wide_opt = dist_optim.InBackwardOptimizer(wide, torch.optim.AdamW, fused=True, **ADAMW)
+    wide_sched = torch.optim.lr_scheduler.CosineAnnealingLR(wide_opt, T_max=len(DATA))
+    before = _everything(wide, wide_opt, wide_sched)
     with pytest.raises(CheckpointError, match=r"(?s)shapes differ for 9.*layers.0.weight: checkpoint \(8, 8\) vs \(16, 16\)"):
-        load(tmp_path / "ck", model=make_model(width=16))
+        load(tmp_path / "ck", model=wide, optimizer=wide_opt)
+    _assert_unchanged(before, _everything(wide, wide_opt, wide_sched))
 
 
 def test_remap_rules_are_checked():
@@ -301,21 +306,25 @@ def test_remap_hooks_for_in_memory_state_dicts():
 
 # -- damaged checkpoints -------------------------------------------------------------------------------------------
 def test_truncated_shard_and_missing_files_are_named(tmp_path):
-    model, _ = _trained(tmp_path)
+    _trained(tmp_path)
+    model2, opt2, sched2 = _other_run()
+    before = _everything(model2, opt2, sched2)
+
+    def refused(message: str) -> None:
+        with pytest.raises(CheckpointError, match=message):
+            load(tmp_path / "ck", model=model2, optimizer=opt2)
+        _assert_unchanged(before, _everything(model2, opt2, sched2))
+
     shard = next((tmp_path / "ck").glob("*.distcp"))
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size // 2)
-    with pytest.raises(CheckpointError, match=rf"{shard.name} is truncated: \d+ bytes on disk, the metadata needs"):
-        load(tmp_path / "ck", model=model)
+    refused(rf"{shard.name} is truncated: \d+ bytes on disk, the metadata needs")
     shard.unlink()
-    with pytest.raises(CheckpointError, match=rf"{shard.name} is missing"):
-        load(tmp_path / "ck", model=model)
+    refused(rf"{shard.name} is missing")
     (tmp_path / "ck" / ".metadata").unlink()
-    with pytest.raises(CheckpointError, match=r"\.metadata is missing"):
-        load(tmp_path / "ck", model=model)
+    refused(r"\.metadata is missing")
     (tmp_path / "ck" / "COMMITTED").unlink()
-    with pytest.raises(CheckpointError, match="not a committed dist_optim checkpoint"):
-        load(tmp_path / "ck", model=model)
+    refused("not a committed dist_optim checkpoint")
 
 
 class _Payload:
@@ -444,6 +453,31 @@ DAMAGES = {
 }
 
 
+def _everything(model, opt, sched, extra: tuple = ()) -> list:
+    """What a load could change: the model's and the optimizer's tensors, the lr, the scheduler, the RNGs and
+    ``extra`` modules' state dicts (an averaged model), cloned."""
+    tensors = {**{f"model.{k}": v for k, v in model.state_dict().items()},
+               **{f"opt.{k}.{kk}": vv for k, v in full_state(opt).items() for kk, vv in v.items()}}
+    for i, m in enumerate(extra):
+        tensors.update({f"extra{i}.{k}": v for k, v in m.state_dict().items()})
+    return [{k: v.clone() for k, v in tensors.items()}, opt.param_groups[0]["lr"], sched.state_dict(),
+            torch.get_rng_state(), random.getstate()]
+
+
+def _assert_unchanged(before: list, after: list) -> None:
+    assert before[0].keys() == after[0].keys()
+    for k, v in before[0].items():
+        assert torch.equal(v, after[0][k]), f"{k} changed by a refused load"
+    assert before[1:3] == after[1:3] and torch.equal(before[3], after[3]) and before[4] == after[4]
+
+
+def _other_run():
+    """A model, optimizer and scheduler a refused load must leave alone: another seed, one step trained."""
+    model2, opt2, sched2 = build("in_backward", seed=5)
+    train("in_backward", model2, opt2, sched2, DATA[2:3])
+    return model2, opt2, sched2
+
+
 @pytest.mark.parametrize("damage", list(DAMAGES))
 def test_damaged_plain_data_is_refused_before_anything_changes(tmp_path, damage):
     model, opt, sched = build("in_backward")
@@ -451,21 +485,40 @@ def test_damaged_plain_data_is_refused_before_anything_changes(tmp_path, damage)
     save(tmp_path / "ck", model=model, optimizer=opt, schedulers=sched, step=2)
     path, value, message = DAMAGES[damage]
     _edit_plain(tmp_path / "ck", _set(path, value))
-    model2, opt2, sched2 = build("in_backward", seed=5)
-    train("in_backward", model2, opt2, sched2, DATA[2:3])
-    before = (copy.deepcopy(model2.state_dict()), full_state(opt2), copy.deepcopy(opt2.param_groups[0]["lr"]),
-              sched2.state_dict(), torch.get_rng_state(), random.getstate())
+    model2, opt2, sched2 = _other_run()
+    before = _everything(model2, opt2, sched2)
     with pytest.raises(CheckpointError, match=message):
         load(tmp_path / "ck", model=model2, optimizer=opt2, schedulers=sched2)
-    after = (model2.state_dict(), full_state(opt2), opt2.param_groups[0]["lr"], sched2.state_dict(),
-             torch.get_rng_state(), random.getstate())
-    for k, v in before[0].items():
-        assert torch.equal(v, after[0][k]), f"model {k} changed by a refused load"
-    for k in before[1]:
-        for key in before[1][k]:
-            assert torch.equal(before[1][k][key], after[1][k][key]), f"state[{k}][{key}] changed by a refused load"
-    assert before[2:4] == after[2:4]
-    assert torch.equal(before[4], after[4]) and before[5] == after[5]
+    _assert_unchanged(before, _everything(model2, opt2, sched2))
+
+
+@pytest.mark.parametrize("missing", ["optimizer", "schedulers", "grad_scaler", "averaged_model"])
+def test_a_piece_that_was_not_saved_is_refused_before_anything_loads(tmp_path, missing):
+    model, opt, sched = build("in_backward")
+    train("in_backward", model, opt, sched, DATA[:2])
+    pieces = dict(optimizer=opt, schedulers=sched, grad_scaler=torch.amp.GradScaler("cpu", init_scale=8.0),
+                  averaged_model=torch.optim.swa_utils.AveragedModel(model))
+    save(tmp_path / "ck", model=model, **{k: v for k, v in pieces.items() if k != missing})
+    model2, opt2, sched2 = _other_run()
+    scaler2, ema2 = torch.amp.GradScaler("cpu", init_scale=2.0), torch.optim.swa_utils.AveragedModel(model2)
+    before, scale = _everything(model2, opt2, sched2, (ema2,)), scaler2.state_dict()
+    message = {"optimizer": "holds no optimizer state", "schedulers": r"holds 0 scheduler state\(s\); 1 given",
+               "grad_scaler": "holds no grad scaler state", "averaged_model": "holds no averaged model"}[missing]
+    with pytest.raises(CheckpointError, match=message):
+        load(tmp_path / "ck", model=model2, optimizer=opt2, schedulers=sched2, grad_scaler=scaler2,
+             averaged_model=ema2)
+    _assert_unchanged(before, _everything(model2, opt2, sched2, (ema2,)))
+    assert scaler2.state_dict() == scale
+
+
+def test_two_parameters_with_one_checkpoint_name_are_refused_before_writing(tmp_path):
+    model = nn.Module()
+    model.x = nn.Linear(2, 2)
+    model.module = nn.Module()  # "module." is DDP's prefix, removed from checkpoint names
+    model.module.x = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"'module\.x\.weight' and 'x\.weight'|'x\.weight' and 'module\.x\.weight'"):
+        save(tmp_path / "ck", model=model)
+    assert not (tmp_path / "ck").exists() and not list(tmp_path.iterdir())  # nothing written, no staging left
 
 
 def test_metadata_paths_outside_the_checkpoint_are_refused(tmp_path):
@@ -477,8 +530,12 @@ def test_metadata_paths_outside_the_checkpoint_are_refused(tmp_path):
         info.relative_path = "../elsewhere/" + info.relative_path
     meta_file.write_bytes(pickle.dumps(metadata))
     _rehash(tmp_path / "ck", ".metadata")
+    model2, opt2, sched2 = _other_run()
+    before = _everything(model2, opt2, sched2)
     with pytest.raises(CheckpointError, match=r"storage path '\.\./elsewhere/.*' points outside the checkpoint"):
-        load(tmp_path / "ck", model=model)
+        load(tmp_path / "ck", model=model2, optimizer=opt2)
+    _assert_unchanged(before, _everything(model2, opt2, sched2))
+    assert model is not None
 
 
 def test_a_shard_copied_from_another_checkpoint_is_refused(tmp_path):
@@ -488,8 +545,11 @@ def test_a_shard_copied_from_another_checkpoint_is_refused(tmp_path):
     save(tmp_path / "b", model=other, optimizer=other_opt)
     shard = next((tmp_path / "a").glob("*.distcp"))
     shutil.copyfile(tmp_path / "b" / shard.name, shard)  # same size: only the content tells them apart
+    model2, opt2, sched2 = _other_run()
+    before = _everything(model2, opt2, sched2)
     with pytest.raises(CheckpointError, match=rf"{shard.name} does not hold the content written at commit"):
-        load(tmp_path / "a", model=make_model(3))
+        load(tmp_path / "a", model=model2, optimizer=opt2)
+    _assert_unchanged(before, _everything(model2, opt2, sched2))
 
 
 @pytest.fixture
