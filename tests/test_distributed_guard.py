@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import dist_optim
+from dist_optim import _torch_internals as internals
 from dist_runner import run_fresh
 from helpers import assert_same_params, batches, make_model, train_in_backward, train_standard
 from test_reordered_draws import NoisySGD
@@ -85,7 +86,7 @@ def _options_differ(ctx) -> None:
             with pytest.raises(RuntimeError, match=r"raised on other ranks while it was built.*ranks \[1\]: "
                                                    f"{error.__name__}: .*{re.escape(message)}"):
                 dist_optim.InBackwardOptimizer(ddp, cls, per_parameter=True, **kwargs)
-        assert not any(p._post_accumulate_grad_hooks for p in ddp.parameters())  # nothing stayed attached
+        assert not any(getattr(p, internals.POST_ACCUMULATE_GRAD_HOOKS) for p in ddp.parameters())  # none stayed
     # the same over FSDP2's DTensor parameters (the mesh's groups)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from dist_optim import InBackwardOptimizer, apply_optimizer_in_backward
-from helpers import make_model
+from helpers import assert_same_params, batches, loss_of, make_model, train_standard
 
 
 def test_optimizer_needing_a_closure_is_refused():
@@ -35,6 +35,25 @@ def test_unknown_option_surfaces_the_optimizers_own_error_at_construction():
 def test_invalid_option_value_surfaces_at_construction():
     with pytest.raises(ValueError, match="Invalid learning rate"):
         InBackwardOptimizer(make_model().parameters(), torch.optim.AdamW, lr=-1.0)
+
+
+@pytest.mark.parametrize(("kwargs", "error"), [
+    (dict(lr=0.1, betas=(0.9, 0.99)), TypeError),  # the class's own options check
+    (dict(lr=-1.0), ValueError),
+    (dict(lr=0.1, bucket_cap_mb=0), ValueError),  # the engine's
+])
+def test_a_failed_construction_attaches_nothing(kwargs, error):
+    model, ref = make_model(), make_model()
+    with pytest.raises(error):
+        InBackwardOptimizer(model.parameters(), torch.optim.SGD, **kwargs)
+    # no hook stayed: the same parameters train in a standard loop as if nothing had been tried, then in backward
+    data = batches(2)
+    train_standard(model, torch.optim.SGD(model.parameters(), lr=0.1), data[:1])
+    train_standard(ref, torch.optim.SGD(ref.parameters(), lr=0.1), data[:1])
+    assert_same_params(model, ref)
+    InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    loss_of(model, data[1]).backward()
+    assert all(p.grad is None for p in model.parameters()) and not torch.equal(model.head.weight, ref.head.weight)
 
 
 def test_group_specific_refusal_surfaces_at_construction():

@@ -47,8 +47,9 @@ def test_accumulation_written_for_a_standard_optimizer_is_reported_once():
 def test_strict_raises_and_the_right_setting_is_silent_and_equal_to_the_standard_loop():
     model = make_model()
     opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, strict=True)
-    with pytest.raises(RuntimeError, match=r"2 backwards each ran.*accumulation_steps=2.*\(strict=True\)"):
-        _framework_loop(model, opt, batches(2), 2)
+    for seed in (1, 2):  # at every such step(), not only the first (a warning is said once)
+        with pytest.raises(RuntimeError, match=r"2 backwards each ran.*accumulation_steps=2.*\(strict=True\)"):
+            _framework_loop(model, opt, batches(2, seed=seed), 2)
     model, ref = make_model(), make_model()
     opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, accumulation_steps=2, strict=True)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, foreach=True)
