@@ -220,6 +220,25 @@ def test_reentrant_checkpointing_is_refused_before_a_bucket_outside_it_steps(set
     assert_same_params(model, ref)
 
 
+def test_reentrant_checkpointing_first_used_in_a_later_backward_is_refused_with_the_step_incomplete():
+    """The graph is read in the first stepping backward only: a segment that appears later is refused when its own
+    backward begins, after the head's bucket (one per tensor here) was stepped, as documented."""
+    model = make_model()
+    opt = InBackwardOptimizer(model, torch.optim.SGD, per_parameter=True, lr=0.1)
+    x, y = batches(1)[0]
+
+    def forward(reentrant: bool) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(model.layers[0], x.clone().requires_grad_(), use_reentrant=reentrant)
+        return nn.functional.mse_loss(model.head(model.norm(torch.tanh(model.layers[1](h)))), y)
+
+    forward(reentrant=False).backward()
+    head, first = model.head.weight.detach().clone(), model.layers[0].weight.detach().clone()
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        forward(reentrant=True).backward()
+    assert opt.step_incomplete
+    assert not torch.equal(model.head.weight, head) and torch.equal(model.layers[0].weight, first)
+
+
 @pytest.mark.parametrize("per_parameter", [False, True])
 def test_reentrant_segments_holding_every_parameter_are_refused(per_parameter):
     """Every parameter inside reentrant segments: each segment's inner backward would look like a whole training

@@ -142,6 +142,26 @@ def test_zero_grad_after_a_failed_backward_lets_the_next_one_step_all_its_gradie
     assert_same_params(model, ref)  # every tensor stepped, the first one's gradient included
 
 
+@pytest.mark.parametrize("how", ["no_step", "accumulation_steps"])
+def test_a_micro_batch_that_only_accumulates_and_raises_keeps_its_partial_grad_as_the_standard_loop(how):
+    model, ref = make_model(), make_model()
+    kwargs = {"accumulation_steps": 2} if how == "accumulation_steps" else {}
+    opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9, **kwargs)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    data = batches(2)
+    for m in (model, ref):
+        with opt.no_step() if m is model and how == "no_step" else contextlib.nullcontext():
+            _failing_backward(m, data[0])  # the head's and the last layers' gradients arrived, not the first's
+    assert [p.grad is not None for p in model.parameters()] == [p.grad is not None for p in ref.parameters()]
+    assert any(p.grad is not None for p in model.parameters()) and not opt.step_incomplete
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is dropped: an accumulating micro-batch keeps what it got
+        loss_of(model, data[1]).backward()
+    loss_of(ref, data[1]).backward()
+    ref_opt.step()
+    assert_same_params(model, ref)
+
+
 def test_step_incomplete_is_true_while_buckets_are_being_stepped():
     model = make_model()
     opt = InBackwardOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, per_parameter=True)
