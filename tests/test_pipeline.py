@@ -411,6 +411,59 @@ def test_step_after_a_failed_schedule_step_is_refused_and_steps_nothing(ranks):
     ranks.run(2, _step_after_a_failed_step)
 
 
+def _interleaved_with(ctx, wrap) -> tuple[list[nn.Module], object]:
+    """ScheduleInterleaved1F1B over 2 stages per rank, this rank's second stage module passed through ``wrap``: a
+    refusal of that stage must not leave the first one's optimizer attached."""
+    layers = _layers()
+    mine = [ctx.rank, ctx.rank + ctx.world]
+    modules = [nn.Sequential(copy.deepcopy(layers[s])) for s in mine]
+    modules[1] = wrap(modules[1])
+    stages = [PipelineStage(m, s, 2 * ctx.world, torch.device("cpu")) for m, s in zip(modules, mine)]
+    return modules, ScheduleInterleaved1F1B(stages, n_microbatches=MICRO_BATCHES, loss_fn=_loss)
+
+
+def _stages_refused(ctx):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = ctx.cached("pp-refusals-mesh", lambda: init_device_mesh("cpu", (ctx.world,)))
+    own = _stage_groups(ctx)  # a data-parallel group of this rank alone: each rank's DDP wraps its own stage
+
+    def inner_sharded(m):
+        fully_shard(m[0], mesh=mesh)  # DTensor parameters, but the stage module itself is not fully_shard-ed
+        return m
+
+    cases = [
+        (lambda m: nn.parallel.DistributedDataParallel(m, process_group=own),
+         rf"stage {ctx.rank + ctx.world} is wrapped in DistributedDataParallel, whose reducer the schedule drives by "
+         "hand"),
+        (inner_sharded, rf"stage {ctx.rank + ctx.world} holds DTensor parameters but its module is not fully_shard-ed "
+                        "at its root"),
+        (lambda m: fully_shard(m, mesh=mesh),
+         rf"stage {ctx.rank + ctx.world} is fully_shard-ed and ScheduleInterleaved1F1B runs 2 stages on this rank"),
+    ]
+    for wrap, match in cases:
+        modules, sched = _interleaved_with(ctx, wrap)
+        with pytest.raises(NotImplementedError, match=match):
+            dist_optim.pipeline_optimizers(sched, torch.optim.SGD, lr=0.1)
+        attached = [n for m in modules for n, p in m.named_parameters() if p._post_accumulate_grad_hooks]
+        assert not attached, f"refused, but left hooks on {attached}"
+    # a stage with a dw_builder computes its weights' gradients after the backward, outside the hooks
+    module = nn.Sequential(copy.deepcopy(_layers()[ctx.rank]))
+    stage = PipelineStage(module, ctx.rank, ctx.world, torch.device("cpu"), dw_builder=lambda: lambda: None)
+    with pytest.raises(NotImplementedError, match=rf"Schedule1F1B is not supported: stages \[{ctx.rank}\] have a "
+                                                  "dw_builder"):
+        dist_optim.pipeline_optimizers(Schedule1F1B(stage, n_microbatches=MICRO_BATCHES, loss_fn=_loss),
+                                       torch.optim.SGD, lr=0.1)
+    assert not any(p._post_accumulate_grad_hooks for p in module.parameters())
+
+
+def test_stages_refused_before_anything_is_attached(ranks):
+    # a DDP-wrapped stage, DTensor parameters without fully_shard at the stage's root, a fully_shard-ed stage with
+    # several stages per rank, a dw_builder: each refused, and no stage keeps an optimizer's hooks
+    ranks.run(2, _stages_refused)
+
+
 @pytest.mark.parametrize("options, error, match", [
     ({"accumulation_steps": 4}, ValueError, "the schedule's micro-batch count sets it"),
     ({"max_grad_norm": 1.0}, NotImplementedError, "clip_mode='exact'.*deadlock"),
