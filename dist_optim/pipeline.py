@@ -92,36 +92,12 @@ def pipeline_optimizers(
     rest = {k: v for k, v in kwargs.items() if k not in keywords and k != "options"}  # the optimizer's own
     from torch.distributed.fsdp import FSDPModule  # a schedule exists only where torch.distributed does
 
+    for stage in stages:  # every stage first: a refused one must not leave the optimizers of those before attached
+        _check_stage(schedule, stage, len(stages))
     optimizers = []
     for stage in stages:
         module = stage.submod
-        if isinstance(module, nn.parallel.DistributedDataParallel):
-            raise NotImplementedError(
-                f"stage {stage.stage_index} is wrapped in DistributedDataParallel, whose reducer the schedule "
-                "drives by hand in the last micro-batch, around the communication hook this optimizer steps in; "
-                "use plain stages, or a standard optimizer stepped after schedule.step()"
-            )
         sharded = isinstance(module, FSDPModule)
-        if not sharded and any(is_dtensor(p) for p in module.parameters()):
-            raise NotImplementedError(
-                f"stage {stage.stage_index} holds DTensor parameters but its module is not fully_shard-ed at its "
-                "root (tensor parallel, or fully_shard on submodules only): the schedule reduces the gradients of "
-                "an FSDP2 stage only through its root. fully_shard the stage module itself, or use plain stages"
-            )
-        if sharded and len(stages) > 1:
-            raise NotImplementedError(
-                f"stage {stage.stage_index} is fully_shard-ed and {type(schedule).__name__} runs {len(stages)} "
-                "stages on this rank: pipeline x FSDP2 in backward is built and tested for single-stage schedules "
-                "(ScheduleGPipe, Schedule1F1B), where the schedule reduces each stage through perform_reduce_grad; "
-                "use one of them, or a standard optimizer stepped after schedule.step()"
-            )
-        if sharded and not hasattr(stage, PERFORM_REDUCE_GRAD):
-            raise NotImplementedError(
-                f"stage {stage.stage_index} is fully_shard-ed, and this torch ({torch.__version__}) reduces an "
-                "FSDP2 stage's gradients inside its last micro-batch backward without the "
-                "PipelineStage.perform_reduce_grad step that pipeline x FSDP2 in backward is built on (torch 2.10 "
-                "and later have it); use plain stages, or a newer torch"
-            )
         # the schedule's mean over its n micro-batches, taken as it takes it (grad.div_(n))
         options = dataclasses.replace(engine_options, grad_divisor=n if scale and n > 1 else None)
         if sharded:
@@ -139,6 +115,40 @@ def pipeline_optimizers(
         opt.register_step_pre_hook(_Guard(schedule, stage, n, scale, sharded))
         optimizers.append(opt)
     return optimizers
+
+
+def _check_stage(schedule: Any, stage: Any, n_stages: int) -> None:
+    """Refuse a stage whose optimizer could not step as ``schedule.step(); opt.step()`` would."""
+    from torch.distributed.fsdp import FSDPModule
+
+    module = stage.submod
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        raise NotImplementedError(
+            f"stage {stage.stage_index} is wrapped in DistributedDataParallel, whose reducer the schedule "
+            "drives by hand in the last micro-batch, around the communication hook this optimizer steps in; "
+            "use plain stages, or a standard optimizer stepped after schedule.step()"
+        )
+    sharded = isinstance(module, FSDPModule)
+    if not sharded and any(is_dtensor(p) for p in module.parameters()):
+        raise NotImplementedError(
+            f"stage {stage.stage_index} holds DTensor parameters but its module is not fully_shard-ed at its "
+            "root (tensor parallel, or fully_shard on submodules only): the schedule reduces the gradients of "
+            "an FSDP2 stage only through its root. fully_shard the stage module itself, or use plain stages"
+        )
+    if sharded and n_stages > 1:
+        raise NotImplementedError(
+            f"stage {stage.stage_index} is fully_shard-ed and {type(schedule).__name__} runs {n_stages} "
+            "stages on this rank: pipeline x FSDP2 in backward is built and tested for single-stage schedules "
+            "(ScheduleGPipe, Schedule1F1B), where the schedule reduces each stage through perform_reduce_grad; "
+            "use one of them, or a standard optimizer stepped after schedule.step()"
+        )
+    if sharded and not hasattr(stage, PERFORM_REDUCE_GRAD):
+        raise NotImplementedError(
+            f"stage {stage.stage_index} is fully_shard-ed, and this torch ({torch.__version__}) reduces an "
+            "FSDP2 stage's gradients inside its last micro-batch backward without the "
+            "PipelineStage.perform_reduce_grad step that pipeline x FSDP2 in backward is built on (torch 2.10 "
+            "and later have it); use plain stages, or a newer torch"
+        )
 
 
 class _ReduceWindow:

@@ -352,3 +352,41 @@ def test_a_second_job_saving_the_same_name_never_breaks_the_first(tmp_path):
     # the second job could not commit a name that exists; it says so with our error, not DCP's BaseException
     assert outcomes["second"].startswith("CheckpointError: saving") and "another save committed" in outcomes["second"]
     assert not (tmp_path / "ck.partial").exists()
+
+
+# -- a save after a backward that raised on one rank only ------------------------------------------------------------
+def _incomplete_on_one_rank(ctx, tmp: str) -> None:
+    from dist_optim.checkpoint import CheckpointError
+
+    # plain modules stepped on local gradients: no collective in backward, so rank 0 alone can fail in its backward
+    model = make_model(width=WIDTH)
+    opt = dist_optim.InBackwardOptimizer(model, torch.optim.AdamW, per_parameter=True, allow_local_steps=True,
+                                         **ADAMW)
+    x, y = local_batch(0, ctx.rank, ctx.world)
+    def boom(grad):
+        raise RuntimeError("boom on rank 0")
+
+    h = torch.tanh(model.layers[0](x))
+    if ctx.rank == 0:
+        h.register_hook(boom)  # raises after the layers above it were stepped
+    out = model.head(model.norm(torch.tanh(model.layers[2](torch.tanh(model.layers[1](h))))))
+    if ctx.rank == 0:
+        with pytest.raises(RuntimeError, match="boom on rank 0"):
+            nn.functional.mse_loss(out, y).backward()
+    else:
+        nn.functional.mse_loss(out, y).backward()
+    assert opt.step_incomplete == (ctx.rank == 0) and opt.last_step.params_stepped > 0
+    folder = Path(tmp) / "refused"
+    with pytest.raises(CheckpointError, match=r"in-backward step is incomplete on ranks \[0\] .*force=True"):
+        save(folder, model=model, optimizer=opt)
+    manager = CheckpointManager(Path(tmp) / "managed")
+    with pytest.raises(CheckpointError, match=r"incomplete on ranks \[0\]"):
+        manager.save(1, model=model, optimizer=opt)
+    dist.barrier()
+    assert not folder.exists() and not folder.with_name("refused.partial").exists()
+    assert manager.checkpoints() == [] and not list((Path(tmp) / "managed").glob("*"))
+
+
+def test_an_incomplete_step_on_one_rank_is_refused_on_every_rank(ranks, tmp_path):
+    ranks.run(2, _incomplete_on_one_rank, tmp=str(tmp_path))
+    assert sorted(p.name for p in tmp_path.rglob("*")) in ([], ["managed"])  # nothing written

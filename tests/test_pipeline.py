@@ -341,6 +341,129 @@ def test_guard_refuses_a_replaced_multiplier(ranks):
     ranks.run(1, _guard_multiplier)
 
 
+class _Tripwire(torch.autograd.Function):
+    """Identity whose backward raises on the calls in ``raise_on`` (1, 2, ... counted over the module's life): a
+    micro-batch backward that fails before any of the stage's parameters gets its gradient."""
+
+    @staticmethod
+    def forward(ctx, x, calls, raise_on):
+        ctx.calls, ctx.raise_on = calls, raise_on
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.calls.append(None)
+        if len(ctx.calls) in ctx.raise_on:
+            raise ValueError(f"backward {len(ctx.calls)} failed")
+        return grad, None, None
+
+
+class _Tripped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls, self.raise_on = [], set()
+
+    def fail_backward(self, k: int) -> None:
+        """Raise in the ``k``-th backward from now (1: the next one)."""
+        self.raise_on.add(len(self.calls) + k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Tripwire.apply(x, self.calls, self.raise_on)
+
+
+def _step_after_a_failed_step(ctx):
+    # GPipe, 2 stages. Step 1: stage 0's backward of micro-batch 3 (its last) fails before any gradient lands, so
+    # its optimizer counted 3 backwards; stage 1 ends its step normally. Step 2: stage 0's first backward completes
+    # the count while 3 of its forwards wait: refused, nothing stepped. Stage 1 fails its second backward of step 2,
+    # so neither rank waits in a send or receive the other will not post. (A loss_fn that raises is no way in: the
+    # last stage's schedule keeps the losses of a step that raised, and its next step backwards through their freed
+    # graphs, in torch, before any hook; on stage 0 a peer's failure leaves it waiting for a gradient.)
+    modules, sched, first, last = build(ctx, "gpipe")
+    trip = _Tripped()
+    modules[0].append(trip)  # the schedule's stage holds this module: the tripwire runs first in each backward
+    (opt,) = dist_optim.pipeline_optimizers(sched, torch.optim.SGD, **SGD_MOMENTUM)
+    before = [p.detach().clone() for p in modules[0].parameters()]
+    batch, again = _data(2)
+    if ctx.rank == 0:
+        trip.fail_backward(MICRO_BATCHES)
+        with pytest.raises(RuntimeError) as info:  # the schedule wraps the backward's error in its own
+            run_step(sched, first, last, batch)
+        assert "backward 4 failed" in str(info.value.__cause__), info.value.__cause__
+        assert opt.micro_batches == MICRO_BATCHES - 1
+    else:
+        run_step(sched, first, last, batch)
+        trip.fail_backward(2)
+    with pytest.raises(RuntimeError) as info:
+        run_step(sched, first, last, again)
+    if ctx.rank == 0:
+        cause = info.value.__cause__
+        assert isinstance(cause, RuntimeError) and (
+            "stage 0 would step while 3 of its forwards wait for their backward, so not in its last micro-batch "
+            "backward" in str(cause) and "Nothing was stepped in this backward" in str(cause)), cause
+        assert all(torch.equal(p, q) for p, q in zip(modules[0].parameters(), before)), "a refused step stepped"
+        assert not any(opt.state[p] for p in modules[0].parameters())  # no momentum buffer: no step ever ran
+    else:
+        assert "failed" in str(info.value.__cause__), info.value.__cause__  # the one stage 1 was told to
+    dist.barrier()
+
+
+def test_step_after_a_failed_schedule_step_is_refused_and_steps_nothing(ranks):
+    ranks.run(2, _step_after_a_failed_step)
+
+
+def _interleaved_with(ctx, wrap) -> tuple[list[nn.Module], object]:
+    """ScheduleInterleaved1F1B over 2 stages per rank, this rank's second stage module passed through ``wrap``: a
+    refusal of that stage must not leave the first one's optimizer attached."""
+    layers = _layers()
+    mine = [ctx.rank, ctx.rank + ctx.world]
+    modules = [nn.Sequential(copy.deepcopy(layers[s])) for s in mine]
+    modules[1] = wrap(modules[1])
+    stages = [PipelineStage(m, s, 2 * ctx.world, torch.device("cpu")) for m, s in zip(modules, mine)]
+    return modules, ScheduleInterleaved1F1B(stages, n_microbatches=MICRO_BATCHES, loss_fn=_loss)
+
+
+def _stages_refused(ctx):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = ctx.cached("pp-refusals-mesh", lambda: init_device_mesh("cpu", (ctx.world,)))
+    own = _stage_groups(ctx)  # a data-parallel group of this rank alone: each rank's DDP wraps its own stage
+
+    def inner_sharded(m):
+        fully_shard(m[0], mesh=mesh)  # DTensor parameters, but the stage module itself is not fully_shard-ed
+        return m
+
+    cases = [
+        (lambda m: nn.parallel.DistributedDataParallel(m, process_group=own),
+         rf"stage {ctx.rank + ctx.world} is wrapped in DistributedDataParallel, whose reducer the schedule drives by "
+         "hand"),
+        (inner_sharded, rf"stage {ctx.rank + ctx.world} holds DTensor parameters but its module is not fully_shard-ed "
+                        "at its root"),
+        (lambda m: fully_shard(m, mesh=mesh),
+         rf"stage {ctx.rank + ctx.world} is fully_shard-ed and ScheduleInterleaved1F1B runs 2 stages on this rank"),
+    ]
+    for wrap, match in cases:
+        modules, sched = _interleaved_with(ctx, wrap)
+        with pytest.raises(NotImplementedError, match=match):
+            dist_optim.pipeline_optimizers(sched, torch.optim.SGD, lr=0.1)
+        attached = [n for m in modules for n, p in m.named_parameters() if p._post_accumulate_grad_hooks]
+        assert not attached, f"refused, but left hooks on {attached}"
+    # a stage with a dw_builder computes its weights' gradients after the backward, outside the hooks
+    module = nn.Sequential(copy.deepcopy(_layers()[ctx.rank]))
+    stage = PipelineStage(module, ctx.rank, ctx.world, torch.device("cpu"), dw_builder=lambda: lambda: None)
+    with pytest.raises(NotImplementedError, match=rf"Schedule1F1B is not supported: stages \[{ctx.rank}\] have a "
+                                                  "dw_builder"):
+        dist_optim.pipeline_optimizers(Schedule1F1B(stage, n_microbatches=MICRO_BATCHES, loss_fn=_loss),
+                                       torch.optim.SGD, lr=0.1)
+    assert not any(p._post_accumulate_grad_hooks for p in module.parameters())
+
+
+def test_stages_refused_before_anything_is_attached(ranks):
+    # a DDP-wrapped stage, DTensor parameters without fully_shard at the stage's root, a fully_shard-ed stage with
+    # several stages per rank, a dw_builder: each refused, and no stage keeps an optimizer's hooks
+    ranks.run(2, _stages_refused)
+
+
 @pytest.mark.parametrize("options, error, match", [
     ({"accumulation_steps": 4}, ValueError, "the schedule's micro-batch count sets it"),
     ({"max_grad_norm": 1.0}, NotImplementedError, "clip_mode='exact'.*deadlock"),

@@ -298,10 +298,13 @@ def _ddp_scenario(ctx, torchao: bool):
 
     cls, kwargs, dtype = (_adamw8bit(), KW, torch.bfloat16) if torchao else (NoisySGD, {}, torch.float32)
     data = _data(3, seed=10 + ctx.rank, dtype=dtype)  # each rank its own batches
-    with pytest.raises(NotImplementedError, match=r"random_draws='reordered' needs every rank to step the tensors "
-                       r"in one order.*find_unused_parameters=True"):
-        dist_optim.InBackwardOptimizer(DDP(_model(dtype), bucket_cap_mb=1e-4, find_unused_parameters=True), cls,
-                                       random_draws="reordered", **kwargs)
+    for flag in ("find_unused_parameters", "static_graph"):
+        refused = DDP(_model(dtype), bucket_cap_mb=1e-4, **{flag: True})
+        with pytest.raises(NotImplementedError, match=r"random_draws='reordered' needs every rank to step the "
+                           r"tensors in one order.*find_unused_parameters=True\) or static_graph=True"):
+            dist_optim.InBackwardOptimizer(refused, cls, random_draws="reordered", **kwargs)
+        assert not any(p._post_accumulate_grad_hooks for p in refused.parameters())
+        dist_optim.InBackwardOptimizer(refused, torch.optim.SGD, lr=0.1)  # DDP takes one comm hook: none was left
     ignoring = _model(dtype)
     DDP._set_params_and_buffers_to_ignore_for_model(ignoring, ["0.weight"])
     with pytest.raises(NotImplementedError, match="'0.weight' and 0 more are parameters DDP ignores"):

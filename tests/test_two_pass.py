@@ -3,7 +3,7 @@
 Bitwise with the same optimizer and kernel (both passes compute the same gradients here: CPU kernels are
 deterministic), the memory saving kept (``grad_bytes_peak``), GradScaler and non-finite skips decided by the first
 pass, accumulation, and the refusals: a plain ``loss.backward()`` in this mode, a second backward over a retained
-graph after a stepping one.
+graph after a stepping one, FSDP2's DTensor parameters given as tensors (2 gloo ranks).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dist_optim import InBackwardOptimizer
-from helpers import ADAMW, SGD_MOMENTUM, assert_same_params, assert_same_state, batches, loss_of, make_model, twins
+from helpers import ADAMW, SGD_MOMENTUM, WIDTH, assert_same_params, assert_same_state, batches, loss_of, make_model, twins
 
 OPTIMIZERS = {"AdamW-fused": (torch.optim.AdamW, ADAMW), "SGD-momentum": (torch.optim.SGD, SGD_MOMENTUM)}
 BUCKETS = {"buckets": dict(bucket_cap_mb=1e-4), "per_parameter": dict(per_parameter=True)}
@@ -227,3 +227,32 @@ def test_configure_clipping_switches_to_two_pass_between_steps():
     assert opt.clip_mode == "two_pass" and opt.last_step.clip_coef < 1
     assert_same_params(model, ref)
     assert_same_state(opt.state_dict(), ref_opt.state_dict())
+
+
+def _dtensors_given_as_tensors(ctx):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = ctx.cached("fsdp-mesh", lambda: init_device_mesh("cpu", (ctx.world,)))
+    model = make_model(width=WIDTH)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    sharded = list(model.parameters())  # the optimizer's: the module registers unsharded ones after a forward
+    opt = InBackwardOptimizer(sharded, torch.optim.SGD, lr=0.1, clip_mode="two_pass", max_grad_norm=1)
+    before = [p.detach().to_local().clone() for p in sharded]
+    loss = loss_of(model, batches(1, width=WIDTH, seed=10 + ctx.rank)[0])
+    with pytest.raises(NotImplementedError, match=r"clip_mode='two_pass' over DTensor parameters given as tensors: "
+                                                  r"build the optimizer from the model \(InBackwardOptimizer\(model"):
+        opt.backward(loss)
+    assert all(p.grad is None for p in sharded)  # refused before the backward ran
+    assert all(torch.equal(p.detach().to_local(), q) for p, q in zip(sharded, before))
+    assert not opt.state and not opt.step_incomplete
+    dist.barrier()
+
+
+def test_two_pass_over_dtensors_given_as_tensors_is_refused_before_anything_runs(ranks):
+    # without the model the optimizer cannot see the gradients FSDP2 accumulates without sync, which the
+    # measuring pass would have to keep out of its norm
+    ranks.run(2, _dtensors_given_as_tensors)
