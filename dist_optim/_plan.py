@@ -10,7 +10,6 @@ One process, or one representative rank of a DDP, FSDP2, TP, FSDP2 x TP or HSDP 
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
@@ -20,13 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from dist_optim._plan_layouts import Layout
+from dist_optim._plan_layouts import Layout, check_backend
 
 __all__: list[str] = []
 
 MiB = 2**20
 LOOPS = ("standard", "in_backward")
-CATEGORIES = ("parameters", "optimizer_state", "gradients", "activations", "other")
+CATEGORIES = ("parameters", "optimizer_state", "gradients", "activations", "communication", "other")
 CLIP_MODES = ("exact", "two_pass", "per_parameter", "previous_norm")
 # What a trace of operators' outputs cannot see, said in the output and docs/planning.md
 NOT_SEEN = (
@@ -236,8 +235,8 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
                 optimizer_kwargs: dict[str, Any], engine_options: dict[str, Any],
                 autocast_dtype: torch.dtype | None, layout: Layout, mesh: Any) -> tuple[LoopPlan, int]:
     from dist_optim._memory_trace import MemoryTrace
-    from dist_optim._plan_fsdp2 import following_resizes, local
-    from dist_optim._torch_internals import FakeTensorMode, tree_leaves
+    from dist_optim._plan_fsdp2 import local
+    from dist_optim._torch_internals import FakeTensorMode, fsdp_resized_tensors, tree_leaves
 
     micro = engine_options.get("accumulation_steps", 1)
     with FakeTensorMode(), layout.inside_fake_mode(), warnings.catch_warnings():
@@ -245,7 +244,7 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
         # only FSDP2's shared reduce-scatter buffers depend on it
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         model = model_fn()
-        trace = MemoryTrace()
+        trace = MemoryTrace(layout.collective_buffers())
 
         def seen(p: torch.Tensor) -> None:
             block = trace.block_of(local(p.grad))
@@ -276,7 +275,9 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
             trace.phase = name
         job.phase = phase
         resident = [local(t) for t in job.resident()] + extra
-        with trace, (following_resizes(trace) if layout.resizes else contextlib.nullcontext()):
+        with trace:
+            if layout.resizes:  # FSDP2's unsharded parameters, allocated and freed by resizing their storages
+                trace.follow(fsdp_resized_tensors(model))
             trace.seed(resident + [t for t in tree_leaves(batches) if isinstance(t, torch.Tensor)])
             for t in extra:  # DDP's buckets hold gradients
                 trace.block_of(t).is_grad = True
@@ -300,7 +301,8 @@ def loop_plan(loop: str, trace: Any, start: int, model: nn.Module, job: Job) -> 
     for block, nbytes in trace.peak_blocks:
         key = id(block)
         category = ("parameters" if key in params else "optimizer_state" if key in state else
-                    "gradients" if block.is_grad else "activations" if block.phase == "forward" else "other")
+                    "communication" if block.is_comm else "gradients" if block.is_grad else
+                    "activations" if block.phase == "forward" else "other")
         breakdown[category] += nbytes
     assert sum(breakdown.values()) == trace.peak, (breakdown, trace.peak)
     return LoopPlan(loop, trace.peak, start, breakdown, trace.peak_phase, job.kernel, trace.timeline)
@@ -330,6 +332,7 @@ def plan(
     tp_size: int | None = None,
     shard_size: int | None = None,
     parallelize: Callable[[nn.Module, Any], Any] | None = None,
+    backend: str | None = None,
     **optimizer_kwargs: Any,
 ) -> MemoryPlan:
     """Plan one warm training step's memory on this process, for the standard loop and in backward, without
@@ -381,6 +384,10 @@ def plan(
             others replicated DTensors, as ``launch.tensor_parallel.tensor_parallel``, the trainer's GPT plan,
             makes them): plain ones next to DTensors are refused. ``loss_fn`` gets the model's output as it is (a
             DTensor, if the plan leaves one).
+        backend: the process group's backend on the planned ranks, ``"gloo"`` or ``"nccl"`` (``None``: gloo on
+            CPU, NCCL on CUDA). Under FSDP2, FSDP2 x TP and HSDP the plan adds gloo's buffers inside the all-gather
+            (a flat output) and the reduce-scatter (a copy of the input) for each collective's duration, under
+            ``communication``; none for NCCL, whose internal buffers are not torch's allocator's (not seen).
         **optimizer_kwargs: ``optimizer_class``'s options (``lr``, ...).
 
     Returns:
@@ -408,11 +415,15 @@ def plan(
     if parallel == "pp":
         from dist_optim._plan_pipeline import plan_pipeline
 
-        return plan_pipeline(model_fn, batch_fn, loss_fn, optimizer_class, world_size=world_size,
-                             n_microbatches=n_microbatches, pp_schedule=pp_schedule, pp_stage_fn=pp_stage_fn,
-                             engine=engine, autocast_dtype=autocast_dtype, optimizer_kwargs=optimizer_kwargs)
+        check_backend(parallel, backend)
+        p = plan_pipeline(model_fn, batch_fn, loss_fn, optimizer_class, world_size=world_size,
+                          n_microbatches=n_microbatches, pp_schedule=pp_schedule, pp_stage_fn=pp_stage_fn,
+                          engine=engine, autocast_dtype=autocast_dtype, optimizer_kwargs=optimizer_kwargs)
+        for q in (p, *p.stages):
+            q.options["backend"] = backend
+        return p
     layout = Layout(parallel, world_size, ddp_bucket_cap_mb, gradient_as_bucket_view, fsdp_units, tp_size, shard_size,
-                    parallelize)
+                    parallelize, backend)
     layout.check(engine)
     plans = {}
     with layout.group() as mesh:
