@@ -54,9 +54,14 @@ CONFIGS = [
     ("ddp, default cap", SHAPE, {}, {}),
     ("ddp, cap 0.5, exact", SHAPE, {"ddp_bucket_cap_mb": 0.5}, {"max_grad_norm": 0.05, "clip_mode": "exact"}),
     ("ddp, cap 0.5, two_pass", SHAPE, {"ddp_bucket_cap_mb": 0.5}, {"max_grad_norm": 0.05, "clip_mode": "two_pass"}),
+    ("ddp, cap 0.5, accumulation 2", SHAPE, {"ddp_bucket_cap_mb": 0.5}, {"accumulation_steps": 2}),
+    ("ddp, cap 0.5, views, accumulation 2", SHAPE, {"ddp_bucket_cap_mb": 0.5, "gradient_as_bucket_view": True},
+     {"accumulation_steps": 2}),
     ("fsdp2, 2 x 256, cap 0.5", SHAPE, FSDP2, {"bucket_cap_mb": 0.5}),
     ("fsdp2, 4 x 512, cap 0.5", LARGER, FSDP2, {"bucket_cap_mb": 0.5}),
     ("fsdp2, 4 x 512, exact", LARGER, FSDP2, {"bucket_cap_mb": 0.5, "max_grad_norm": 0.05, "clip_mode": "exact"}),
+    ("fsdp2, 2 x 256, accumulation 2", SHAPE, FSDP2, {"bucket_cap_mb": 0.5, "accumulation_steps": 2}),
+    ("fsdp2, 4 x 512, accumulation 2", LARGER, FSDP2, {"bucket_cap_mb": 0.5, "accumulation_steps": 2}),
     ("tp, 2 x 256, cap 0.5", SHAPE, TP, {"bucket_cap_mb": 0.5}),
     ("tp, 4 x 512, cap 0.5", LARGER, TP, {"bucket_cap_mb": 0.5}),
     ("tp, 4 x 512, exact", LARGER, TP, {"bucket_cap_mb": 0.5, "max_grad_norm": 0.05, "clip_mode": "exact"}),
@@ -116,11 +121,13 @@ def _rank(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     else:
         model = DDP(model_fn(), bucket_cap_mb=layout.get("ddp_bucket_cap_mb"),
                     gradient_as_bucket_view=layout.get("gradient_as_bucket_view", False))
-    job = Job(model, args.loop, loss, torch.optim.AdamW, OPTIMIZER_KWARGS, dict(args.engine))
+    engine = dict(args.engine)
+    job = Job(model, args.loop, loss, torch.optim.AdamW, OPTIMIZER_KWARGS, engine)
     torch.manual_seed(100 + _replica(rank, layout))  # each replica its own micro-batches
+    micro = engine.get("accumulation_steps", 1)  # under DDP and FSDP2 only the last one reduces (Job)
     for _ in range(WARMUP):
-        job.step([batch_fn()])
-    batches = [batch_fn()]
+        job.step([batch_fn() for _ in range(micro)])
+    batches = [batch_fn() for _ in range(micro)]
     return shim.warm_step(lambda: job.step(batches), base, STEPS)
 
 
@@ -194,7 +201,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="measure the rows of these layouts only (default: every layout; --quick: ddp and fsdp2)")
     args = h.parse(p, argv, quick={"threads": 1}, full={"threads": 1})
     run = h.Run("bench_plan_layouts", args)
-    configs = [CONFIGS[0], CONFIGS[5]] if args.quick and args.layouts is None else CONFIGS
+    quick = ("ddp, cap 0.5", "fsdp2, 2 x 256, cap 0.5")
+    configs = [c for c in CONFIGS if c[0] in quick] if args.quick and args.layouts is None else CONFIGS
     if args.layouts is not None:
         configs = [c for c in configs if _parallel(c[2]) in args.layouts]
     rows = {}

@@ -10,6 +10,7 @@ One process, or one representative rank of a DDP, FSDP2, TP, FSDP2 x TP or HSDP 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
@@ -140,9 +141,22 @@ def in_backward_kernel(opt: Any) -> str:
             "foreach" if any(k.get("foreach") or g.get("foreach") for k, g in pairs) else "for-loop")
 
 
+def sync_accumulation(model: nn.Module) -> str | None:
+    """How ``model``'s wrapper accumulates over micro-batches: ``"no_sync"`` (DDP: ``with model.no_sync()`` on the
+    micro-batches before the last), ``"gradient_sync"`` (FSDP2: ``model.set_requires_gradient_sync(False)`` on
+    those), or ``None`` (the gradients accumulate in ``.grad``; in backward, the engine's ``accumulation_steps``)."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return "no_sync"
+    from torch.distributed.fsdp import FSDPModule
+
+    return "gradient_sync" if isinstance(model, FSDPModule) else None
+
+
 class Job:
     """A model, its optimizer in one loop (``"standard"`` or ``"in_backward"``) and one optimizer step over
-    micro-batches: what :func:`plan` traces on fake tensors and a validation runs for real."""
+    micro-batches: what :func:`plan` traces on fake tensors and a validation runs for real. Under DDP and FSDP2 only
+    the last micro-batch reduces (``no_sync``, ``set_requires_gradient_sync``: :func:`sync_accumulation`), in both
+    loops, as the trainer accumulates; in backward that last backward steps."""
 
     def __init__(self, model: nn.Module, loop: str, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
                  optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
@@ -155,6 +169,9 @@ class Job:
         self.clip_mode = engine_options.get("clip_mode", "exact")
         self.accumulation_steps = engine_options.get("accumulation_steps", 1)
         self.track_grad_norm = engine_options.get("track_grad_norm", False)
+        self.sync = sync_accumulation(model)
+        if self.sync is not None:  # the wrapper's sync accumulates: InBackwardOptimizer steps the reducing backward
+            engine_options = {**engine_options, "accumulation_steps": 1}
         self.autocast: torch.dtype | None = None  # the forward's autocast dtype, if any
         if before_optimizer is not None:
             before_optimizer(model)
@@ -177,21 +194,30 @@ class Job:
 
     def step(self, batches: Sequence[Any]) -> None:
         """One optimizer step over ``batches`` (its micro-batches, ``accumulation_steps`` of them)."""
-        for batch in batches:
-            self.phase("forward")
-            if self.autocast is None:
-                loss = self.loss_fn(self.model, batch) / len(batches)
-            else:
-                device = next(self.model.parameters()).device.type
-                with torch.autocast(device, dtype=self.autocast):
+        for j, batch in enumerate(batches):
+            with self._micro_batch(last=j == len(batches) - 1):
+                self.phase("forward")
+                if self.autocast is None:
                     loss = self.loss_fn(self.model, batch) / len(batches)
-            self.phase("backward")
-            if self.loop == "in_backward":
-                self.opt.backward(loss)
-            else:
-                loss.backward()
-            del loss
+                else:
+                    device = next(self.model.parameters()).device.type
+                    with torch.autocast(device, dtype=self.autocast):
+                        loss = self.loss_fn(self.model, batch) / len(batches)
+                self.phase("backward")
+                if self.loop == "in_backward":
+                    self.opt.backward(loss)
+                else:
+                    loss.backward()
+                del loss
         self._standard_step()
+
+    def _micro_batch(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """The wrapper's accumulation around one micro-batch: only the last one reduces."""
+        if self.sync == "no_sync" and not last:
+            return self.model.no_sync()  # type: ignore[operator]
+        if self.sync == "gradient_sync":
+            self.model.set_requires_gradient_sync(last)  # type: ignore[operator]
+        return contextlib.nullcontext()
 
     def _standard_step(self) -> None:
         """The standard loop's step after its backwards: clipping, ``opt.step()``, ``opt.zero_grad()``."""

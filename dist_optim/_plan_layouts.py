@@ -104,18 +104,10 @@ class Layout:
         if self.parallel != "none" and dist.is_available() and dist.is_initialized():
             raise RuntimeError(f"plan(parallel={self.parallel!r}) runs without a real process group; call it in a "
                                "process that has not initialized one")
-        if self.parallel == "fsdp2" and engine.get("accumulation_steps", 1) > 1:
-            raise NotImplementedError("accumulation_steps > 1 with parallel='fsdp2' is not planned yet (not "
-                                      "validated against a measurement)")
         if self.parallel in _MESHED:
             from dist_optim._plan_tp import check
 
             check(self.parallel, self.world_size, self.tp_size, self.shard_size, self.parallelize, engine)
-        if self.parallel == "ddp":
-            if engine.get("accumulation_steps", 1) > 1:
-                raise NotImplementedError(
-                    "accumulation_steps > 1 with parallel='ddp': InBackwardOptimizer refuses it under DDP (which "
-                    "reduces in every backward; accumulate with no_sync()), and the planner plans what it runs")
 
     @contextlib.contextmanager
     def group(self) -> Iterator[Any]:
@@ -274,9 +266,13 @@ class _Reducer:
     def prepare_for_backward(self, outputs: Any) -> None:
         self.pending = [len(b) for b in self.buckets]
         self.next_bucket = 0
+        self.expect = True  # a backward that reduces: not under no_sync() (DDP's expect_autograd_hooks_)
 
     def ready(self, i: int, p: torch.Tensor) -> None:
-        """Parameter ``i``'s gradient was accumulated (DDP's autograd hook)."""
+        """Parameter ``i``'s gradient was accumulated (DDP's autograd hook; under ``no_sync()`` it does nothing, and
+        the gradient accumulates in ``.grad``)."""
+        if not self.expect:
+            return
         if not ddp_rebuilt_buckets(self.ddp) and i not in self.order:
             self.order.append(i)
         b, v = self.where[i]
@@ -332,5 +328,8 @@ class PlannedDDP(nn.parallel.DistributedDataParallel):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             self.reducer.rebuild()
-            self.reducer.prepare_for_backward([])
+            if self.require_backward_grad_sync:
+                self.reducer.prepare_for_backward([])
+            else:  # under no_sync(): the backward reduces nothing
+                self.reducer.expect = False
         return self.module(*args, **kwargs)
