@@ -154,14 +154,14 @@ class Layout:
 
     def not_seen(self) -> tuple[str, ...]:
         """What a rank of this layout holds that the plan cannot see, with its size where it was measured."""
-        if self.parallel in _MESHED:
-            from dist_optim._plan_tp import not_seen
+        if self.parallel == "tp":
+            from dist_optim._plan_tp import NOT_SEEN
 
-            return not_seen(self.parallel)
-        if self.parallel == "fsdp2":
-            return ("FSDP2's collectives on gloo: reduce_scatter_tensor allocates a copy of its input and "
-                    "all_gather_into_tensor a flat output beside FSDP2's (measured on 2 gloo ranks; NCCL allocates "
-                    "neither through torch's allocator); the plan's collectives complete at once",)
+            return NOT_SEEN
+        if self.parallel in _FSDP2:
+            from dist_optim._plan_fsdp2 import not_seen
+
+            return not_seen(self.backend)
         if self.parallel != "ddp":
             return ()
         return ("DDP's collectives: on 2 gloo ranks (CPU) they allocated no tensor on gloo's threads (measured, "

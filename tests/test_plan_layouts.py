@@ -157,7 +157,8 @@ def test_an_fsdp2_rank_holds_a_shard_and_the_fake_group_is_gone_after(tmp_path, 
     assert one.n_params / 8 <= eight.n_params < one.n_params / 8 + 8 * 64 * 20
     assert eight.standard.breakdown["optimizer_state"] < one.standard.breakdown["optimizer_state"] / 7
     assert eight.options["layout"] == "per rank, fsdp2 on 8 ranks"
-    assert any("reduce_scatter_tensor" in line for line in eight.not_seen)
+    assert eight.standard.breakdown["communication"] > 0  # gloo's buffers inside FSDP2's collectives, on CPU
+    assert any("gloo frees some late" in line for line in eight.not_seen)
 
 
 def test_gloos_buffers_in_fsdp2s_collectives_are_planned_and_ncclss_are_not():
