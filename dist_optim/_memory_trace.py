@@ -48,6 +48,11 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+def _rounded(nbytes: int) -> int:
+    """A CUDA block's bytes: the caching allocator's smallest block and rounding (as torch's MemTracker)."""
+    return -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK
+
+
 class MemoryTrace(TorchDispatchMode):
     """The live bytes of storages through a region: the running total, its peak, the blocks alive at the peak and
     a timeline of ``(event index, phase, bytes)`` points.
@@ -62,7 +67,7 @@ class MemoryTrace(TorchDispatchMode):
     def __init__(self, collective_buffers: Callable[[Any, tuple[Any, ...]], int] | None = None) -> None:
         super().__init__()
         self._collective_buffers = collective_buffers
-        self._followed: list[torch.UntypedStorage] = []  # storages resized in place, re-read at every operator
+        self._followed: list[tuple[torch.UntypedStorage, _Block, bool]] = []  # resized in place (CUDA or not)
         self._blocks = WeakIdKeyDictionary()  # storage -> its _Block
         self._live: dict[int, _Block] = {}  # id(block) -> block, for the snapshot at the peak
         self.phase = "seed"  # the label new blocks get
@@ -87,9 +92,7 @@ class MemoryTrace(TorchDispatchMode):
         st = _storage(t)
         if st is None:
             return
-        nbytes = st.nbytes()
-        if t.device.type == "cuda":  # the caching allocator's smallest block and rounding (as torch's MemTracker)
-            nbytes = -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK
+        nbytes = _rounded(st.nbytes()) if t.device.type == "cuda" else st.nbytes()
         block = self._blocks.get(st)
         if block is not None:
             if block.nbytes != nbytes:  # resized in place (an out= operator, resize_)
@@ -139,16 +142,12 @@ class MemoryTrace(TorchDispatchMode):
             st = _storage(t)
             if st is not None:
                 self._see(t)
-                self._followed.append(st)
+                self._followed.append((st, self._blocks[st], t.device.type == "cuda"))
 
     def _reread(self) -> None:
-        for st in self._followed:
-            block = self._blocks.get(st)
-            nbytes = st.nbytes()
-            if block is None:
-                if nbytes:
-                    self._new_block(st, nbytes)
-            elif block.nbytes != nbytes:  # (a free settles the peak first, with the block at its old size)
+        for st, block, cuda in self._followed:
+            nbytes = _rounded(st.nbytes()) if cuda else st.nbytes()
+            if nbytes != block.nbytes:  # (a free settles the peak first, with the block at its old size)
                 self._add(nbytes - block.nbytes)
                 block.nbytes = nbytes
 
