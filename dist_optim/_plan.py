@@ -11,6 +11,7 @@ One process, or one representative rank of a DDP, FSDP2, TP, FSDP2 x TP or HSDP 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
@@ -259,7 +260,7 @@ class Job:
 def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any],
                 loss_fn: Callable[[nn.Module, Any], torch.Tensor], optimizer_class: type[torch.optim.Optimizer],
                 optimizer_kwargs: dict[str, Any], engine_options: dict[str, Any],
-                autocast_dtype: torch.dtype | None, layout: Layout, mesh: Any) -> tuple[LoopPlan, int]:
+                autocast_dtype: torch.dtype | None, layout: Layout, mesh: Any) -> tuple[LoopPlan, int, str]:
     from dist_optim._memory_trace import MemoryTrace
     from dist_optim._plan_fsdp2 import local
     from dist_optim._torch_internals import FakeTensorMode, fsdp_resized_tensors, tree_leaves
@@ -311,7 +312,8 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
             trace.phase = "forward"
             job.step(batches)
             trace.finish()
-        return loop_plan(loop, trace, start, model, job), n_params
+        device = next(model.parameters()).device.type
+        return loop_plan(loop, trace, start, model, job), n_params, device
 
 
 def loop_plan(loop: str, trace: Any, start: int, model: nn.Module, job: Job) -> LoopPlan:
@@ -454,8 +456,10 @@ def plan(
     plans = {}
     with layout.group() as mesh:
         for loop in LOOPS:
-            plans[loop], n_params = _trace_loop(loop, model_fn, batch_fn, loss_fn, optimizer_class,
-                                                optimizer_kwargs, engine, autocast_dtype, layout, mesh)
+            plans[loop], n_params, device = _trace_loop(loop, model_fn, batch_fn, loss_fn, optimizer_class,
+                                                        optimizer_kwargs, engine, autocast_dtype, layout, mesh)
+    if parallel != "none" and backend is None:  # as the collectives chose it: by the tensors' device
+        layout = dataclasses.replace(layout, backend="nccl" if device == "cuda" else "gloo")
     options = {**engine, **layout.recorded(),
                "autocast_dtype": None if autocast_dtype is None else str(autocast_dtype).split(".")[-1],
                "optimizer_class": f"{optimizer_class.__module__}.{optimizer_class.__qualname__}",

@@ -165,7 +165,7 @@ def test_gloos_buffers_in_fsdp2s_collectives_are_planned_and_ncclss_are_not():
     model_fn, batch_fn, loss = _gpt()
     gloo = plan(model_fn, batch_fn, loss, world_size=2, parallel="fsdp2", lr=1e-3)  # CPU: gloo by default
     nccl = plan(model_fn, batch_fn, loss, world_size=2, parallel="fsdp2", backend="nccl", lr=1e-3)
-    assert gloo.options["backend"] is None and nccl.options["backend"] == "nccl"
+    assert gloo.options["backend"] == "gloo" and nccl.options["backend"] == "nccl"  # by the device, when not given
     assert plan(model_fn, batch_fn, loss, world_size=2, parallel="fsdp2", backend="gloo",
                 lr=1e-3).standard.peak_bytes == gloo.standard.peak_bytes
     model = model_fn()
