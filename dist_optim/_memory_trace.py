@@ -148,6 +148,8 @@ class MemoryTrace(TorchDispatchMode):
         for st, block, cuda in self._followed:
             nbytes = _rounded(st.nbytes()) if cuda else st.nbytes()
             if nbytes != block.nbytes:  # (a free settles the peak first, with the block at its old size)
+                if not block.nbytes:  # allocated anew: made in this phase
+                    block.phase = self.phase
                 self._add(nbytes - block.nbytes)
                 block.nbytes = nbytes
 
@@ -161,20 +163,13 @@ class MemoryTrace(TorchDispatchMode):
         self._settle_peak()
         self.finished = True
 
-    def _transient(self, nbytes: int) -> _Block:
-        """A backend's buffer, alive from now until :meth:`_transient_end`."""
+    def _transient(self, nbytes: int) -> int:
+        """A backend's buffer, alive from now until ``_freed`` is given the key this returns."""
         block = _Block(nbytes, self.phase)
         block.is_comm = True
         self._live[id(block)] = block
         self._add(nbytes)
-        return block
-
-    def _transient_end(self, block: _Block) -> None:
-        self._settle_peak()
-        del self._live[id(block)]
-        self.total -= block.nbytes
-        self.events += 1
-        self.timeline.append((self.events, self.phase, self.total))
+        return id(block)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self._followed:
@@ -184,11 +179,11 @@ class MemoryTrace(TorchDispatchMode):
             # redistributions of its inputs (an all-gather's output, alive while the local operator runs) with them
             return NotImplemented
         nbytes = self._collective_buffers(func, args) if self._collective_buffers is not None else 0
-        buffer = self._transient(nbytes) if nbytes else None
+        buffer = self._transient(nbytes) if nbytes else None  # the key of the backend's buffer
         out = func(*args, **(kwargs or {}))
         for t in tree_iter(out):
             if isinstance(t, torch.Tensor):
                 self._see(t)
         if buffer is not None:
-            self._transient_end(buffer)
+            self._freed(buffer)
         return out

@@ -32,7 +32,7 @@ CLIP_MODES = ("exact", "two_pass", "per_parameter", "previous_norm")
 # What a trace of operators' outputs cannot see, said in the output and docs/planning.md
 NOT_SEEN = (
     "memory no operator returns: kernels' workspaces (cuBLAS, cuDNN, MKL), the CUDA caching allocator's "
-    "rounding and fragmentation, gloo/NCCL buffers, the CUDA context",
+    "rounding and fragmentation, the CUDA context",
 )
 
 

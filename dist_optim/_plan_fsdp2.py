@@ -1,7 +1,7 @@
 """FSDP2 for the memory planner: one rank of a ``fully_shard`` job, traced on fake tensors over torch's fake process
 group (``FakeStore``, ``init_process_group("fake")``), which runs FSDP2's own code: the sharded parameters,
 gradients and state, the all-gather buffers and unsharded parameters of the units being computed, the
-reduce-scatter inputs and outputs. Its collectives complete at once and allocate nothing.
+reduce-scatter inputs and outputs. Its collectives complete at once.
 
 FSDP2 allocates and frees the unsharded parameters by resizing their storages, which no operator reports: the trace
 follows the storages FSDP2 resizes (``fsdp_resized_tensors``, read from FSDP2's parameters), re-reading their sizes at
