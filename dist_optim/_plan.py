@@ -380,7 +380,10 @@ def plan(
             ``accumulation_steps``).
         optimizer_class: a ``torch.optim.Optimizer`` subclass.
         bucket_cap_mb, per_parameter, accumulation_steps, max_grad_norm, clip_mode, track_grad_norm: the
-            engine's options (see ``InBackwardOptimizer``); the standard loop clips as ``clip_mode`` says.
+            engine's options (see ``InBackwardOptimizer``); the standard loop clips as ``clip_mode`` says. Under
+            ``"ddp"`` and ``"fsdp2"`` the micro-batches accumulate as those wrappers do, in both loops: the first
+            ``accumulation_steps - 1`` under ``model.no_sync()`` or ``model.set_requires_gradient_sync(False)``,
+            the last one reducing (and, in backward, stepping).
         autocast_dtype: run the forward and the loss under ``torch.autocast`` with this dtype (mixed precision:
             the parameters, gradients and state keep theirs).
         world_size, parallel: the layout, planned for one representative rank, each rank on its own
