@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         configs = [c for c in configs if _parallel(c[2]) in args.layouts]
     rows = {}
     print(f"{'configuration':<26} {'loop':<12} {'planned':>9} {'measured':>9} {'err':>7}  {'step planned':>12} "
-          f"{'measured':>9}  gloo threads   saving planned / measured MiB")
+          f"{'measured':>9}  gloo threads  late steps (most MiB)   saving planned / measured MiB")
     for label, shape, layout, engine in configs:
         r = rows[label] = compare(shape, layout, engine)
         s = r["saving"]
@@ -218,7 +218,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{label:<26} {loop:<12} {h.mib(x['planned_peak']):>9} {h.mib(x['measured_peak']):>9} "
                   f"{100 * x['error']:>+6.2f}%  {h.mib(x['planned_step_peak']):>12} "
                   f"{h.mib(x['measured_step_peak']):>9}"
-                  f"  {max(x['gloo_threads_bytes']):>12}{tail}")
+                  f"  {max(x['gloo_threads_bytes']):>12}"
+                  f"  {sum(k['late'] for k in x['ranks']):>3}/{STEPS * len(x['ranks']):<3} "
+                  f"({h.mib(max(k['late_max_bytes'] for k in x['ranks']))}){tail}")
     return run.finish({"world": {label: _world(layout) for label, _, layout, _ in configs}, "rows": rows})
 
 
