@@ -1,5 +1,7 @@
-"""The memory planner's layouts: one rank of a DDP job, planned on fake tensors in one process, against the same job
-measured on 2 real gloo ranks (every thread's tensor bytes, heap_shim.c); the layouts it does not plan refused."""
+"""The memory planner's layouts: one rank of a DDP or FSDP2 job (with accumulation too), planned on fake tensors in one
+process, against the same job measured on 2 real gloo ranks (every thread's tensor bytes, heap_shim.c; the mode of
+15 steps); gloo's buffers inside FSDP2's collectives, planned, and NCCL's, not; the layouts it does not plan
+refused."""
 
 from __future__ import annotations
 
