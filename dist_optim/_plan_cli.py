@@ -201,7 +201,8 @@ def main(argv: Sequence[str] | None = None) -> MemoryPlan:
                   autocast_dtype=None if args.autocast is None else getattr(torch, args.autocast),
                   world_size=args.world, parallel=args.parallel, ddp_bucket_cap_mb=args.ddp_bucket_cap_mb,
                   gradient_as_bucket_view=args.gradient_as_bucket_view, tp_size=args.tp_size,
-                  shard_size=args.shard_size, backend=args.backend, parallelize=None if parallelize is None else _class(parallelize),
+                  shard_size=args.shard_size, backend=args.backend,
+                  parallelize=None if parallelize is None else _class(parallelize),
                   **pipeline, lr=args.lr)
     result.options.update(batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
                           activation_checkpointing=args.activation_checkpointing,
