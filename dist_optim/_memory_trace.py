@@ -1,14 +1,16 @@
 """A dispatch-level trace of the bytes that tensors' storages hold, for the memory planner (``dist_optim.plan``).
 
 Every operator's outputs are seen as they are made (``TorchDispatchMode``) and every storage's end through a weak
-reference, so the running sum is what the allocator would hold, on fake tensors as on real ones. What no operator
-returns (a kernel's own workspace, a collective's buffers) is not seen.
+reference, so the running sum is what the allocator would hold, on fake tensors as on real ones. Two things no
+operator returns are added where the caller says: storages resized in place (FSDP2's unsharded parameters), whose
+sizes are re-read at every operator (:meth:`MemoryTrace.follow`), and a backend's buffers for a collective's duration
+(``collective_buffers``). What else no operator returns (a kernel's own workspace) is not seen.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -23,14 +25,16 @@ _CUDA_BLOCK = 512  # bytes: the CUDA caching allocator rounds every request up t
 
 
 class _Block:
-    """One storage's bytes, when it was made (``phase``) and whether it was ever a ``.grad``."""
+    """One storage's bytes, when it was made (``phase``), whether it was ever a ``.grad``, and whether it is a
+    backend's buffer for a collective (``is_comm``)."""
 
-    __slots__ = ("nbytes", "phase", "is_grad", "__weakref__")
+    __slots__ = ("nbytes", "phase", "is_grad", "is_comm", "__weakref__")
 
     def __init__(self, nbytes: int, phase: str) -> None:
         self.nbytes = nbytes
         self.phase = phase
         self.is_grad = False
+        self.is_comm = False
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -44,17 +48,26 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+def _rounded(nbytes: int) -> int:
+    """A CUDA block's bytes: the caching allocator's smallest block and rounding (as torch's MemTracker)."""
+    return -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK
+
+
 class MemoryTrace(TorchDispatchMode):
     """The live bytes of storages through a region: the running total, its peak, the blocks alive at the peak and
     a timeline of ``(event index, phase, bytes)`` points.
 
     Storages alive before the region (parameters, optimizer state) are given to :meth:`seed`; storages met for the
     first time inside it are counted from that moment to their end. ``phase`` (set by the caller) labels each new
-    block with the part of the step that made it.
+    block with the part of the step that made it. ``collective_buffers(func, args)``, if given, is the bytes a
+    backend allocates inside the collective operator ``func`` (0 for any other operator): counted for the
+    operator's duration, as a block of its own.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, collective_buffers: Callable[[Any, tuple[Any, ...]], int] | None = None) -> None:
         super().__init__()
+        self._collective_buffers = collective_buffers
+        self._followed: list[tuple[torch.UntypedStorage, _Block, bool]] = []  # resized in place (CUDA or not)
         self._blocks = WeakIdKeyDictionary()  # storage -> its _Block
         self._live: dict[int, _Block] = {}  # id(block) -> block, for the snapshot at the peak
         self.phase = "seed"  # the label new blocks get
@@ -79,14 +92,12 @@ class MemoryTrace(TorchDispatchMode):
         st = _storage(t)
         if st is None:
             return
-        nbytes = st.nbytes()
-        if t.device.type == "cuda":  # the caching allocator's smallest block and rounding (as torch's MemTracker)
-            nbytes = -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK
+        nbytes = _rounded(st.nbytes()) if t.device.type == "cuda" else st.nbytes()
         block = self._blocks.get(st)
         if block is not None:
             if block.nbytes != nbytes:  # resized in place (an out= operator, resize_)
-                grown, block.nbytes = nbytes - block.nbytes, nbytes
-                self._add(grown)
+                self._add(nbytes - block.nbytes)
+                block.nbytes = nbytes
             return
         self._new_block(st, nbytes)
 
@@ -123,16 +134,24 @@ class MemoryTrace(TorchDispatchMode):
             self.peak_blocks = [(b, b.nbytes) for b in self._live.values()]  # the sizes then: a resize changes them
             self._peak_pending = False
 
-    def resized(self, st: torch.UntypedStorage, nbytes: int) -> None:
-        """``st`` was resized in place to ``nbytes`` (FSDP2 allocates and frees unsharded parameters so); a storage
-        first met growing is counted from now on."""
-        block = self._blocks.get(st)
-        if block is None:
-            if nbytes:
-                self._new_block(st, nbytes)
-        elif block.nbytes != nbytes:
-            grown, block.nbytes = nbytes - block.nbytes, nbytes
-            self._add(grown)
+    def follow(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Re-read these tensors' storage sizes at every operator from now on: storages resized in place, which no
+        operator reports (FSDP2 allocates and frees its unsharded parameters so, between operators). Counted at
+        their size now."""
+        for t in tensors:
+            st = _storage(t)
+            if st is not None:
+                self._see(t)
+                self._followed.append((st, self._blocks[st], t.device.type == "cuda"))
+
+    def _reread(self) -> None:
+        for st, block, cuda in self._followed:
+            nbytes = _rounded(st.nbytes()) if cuda else st.nbytes()
+            if nbytes != block.nbytes:  # (a free settles the peak first, with the block at its old size)
+                if not block.nbytes:  # allocated anew: made in this phase
+                    block.phase = self.phase
+                self._add(nbytes - block.nbytes)
+                block.nbytes = nbytes
 
     def block_of(self, t: torch.Tensor) -> _Block | None:
         st = _storage(t)
@@ -140,16 +159,31 @@ class MemoryTrace(TorchDispatchMode):
 
     def finish(self) -> None:
         """End the region: the peak is settled, and frees from now on are not counted."""
+        self._reread()
         self._settle_peak()
         self.finished = True
 
+    def _transient(self, nbytes: int) -> int:
+        """A backend's buffer, alive from now until ``_freed`` is given the key this returns."""
+        block = _Block(nbytes, self.phase)
+        block.is_comm = True
+        self._live[id(block)] = block
+        self._add(nbytes)
+        return id(block)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self._followed:
+            self._reread()
         if any(issubclass(t, _DTENSOR) for t in types):
             # DTensor runs the operator with this trace still on: its local operators are seen, and the
             # redistributions of its inputs (an all-gather's output, alive while the local operator runs) with them
             return NotImplemented
+        nbytes = self._collective_buffers(func, args) if self._collective_buffers is not None else 0
+        buffer = self._transient(nbytes) if nbytes else None  # the key of the backend's buffer
         out = func(*args, **(kwargs or {}))
         for t in tree_iter(out):
             if isinstance(t, torch.Tensor):
                 self._see(t)
+        if buffer is not None:
+            self._freed(buffer)
         return out

@@ -11,6 +11,7 @@ One process, or one representative rank of a DDP, FSDP2, TP, FSDP2 x TP or HSDP 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
@@ -20,18 +21,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from dist_optim._plan_layouts import Layout
+from dist_optim._plan_layouts import Layout, check_backend
 
 __all__: list[str] = []
 
 MiB = 2**20
 LOOPS = ("standard", "in_backward")
-CATEGORIES = ("parameters", "optimizer_state", "gradients", "activations", "other")
+CATEGORIES = ("parameters", "optimizer_state", "gradients", "activations", "communication", "other")
 CLIP_MODES = ("exact", "two_pass", "per_parameter", "previous_norm")
 # What a trace of operators' outputs cannot see, said in the output and docs/planning.md
 NOT_SEEN = (
     "memory no operator returns: kernels' workspaces (cuBLAS, cuDNN, MKL), the CUDA caching allocator's "
-    "rounding and fragmentation, gloo/NCCL buffers, the CUDA context",
+    "rounding and fragmentation, the CUDA context",
 )
 
 
@@ -141,9 +142,22 @@ def in_backward_kernel(opt: Any) -> str:
             "foreach" if any(k.get("foreach") or g.get("foreach") for k, g in pairs) else "for-loop")
 
 
+def sync_accumulation(model: nn.Module) -> str | None:
+    """How ``model``'s wrapper accumulates over micro-batches: ``"no_sync"`` (DDP: ``with model.no_sync()`` on the
+    micro-batches before the last), ``"gradient_sync"`` (FSDP2: ``model.set_requires_gradient_sync(False)`` on
+    those), or ``None`` (the gradients accumulate in ``.grad``; in backward, the engine's ``accumulation_steps``)."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return "no_sync"
+    from torch.distributed.fsdp import FSDPModule
+
+    return "gradient_sync" if isinstance(model, FSDPModule) else None
+
+
 class Job:
     """A model, its optimizer in one loop (``"standard"`` or ``"in_backward"``) and one optimizer step over
-    micro-batches: what :func:`plan` traces on fake tensors and a validation runs for real."""
+    micro-batches: what :func:`plan` traces on fake tensors and a validation runs for real. Under DDP and FSDP2 only
+    the last micro-batch reduces (``no_sync``, ``set_requires_gradient_sync``: :func:`sync_accumulation`), in both
+    loops, as the trainer accumulates; in backward that last backward steps."""
 
     def __init__(self, model: nn.Module, loop: str, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
                  optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
@@ -156,6 +170,9 @@ class Job:
         self.clip_mode = engine_options.get("clip_mode", "exact")
         self.accumulation_steps = engine_options.get("accumulation_steps", 1)
         self.track_grad_norm = engine_options.get("track_grad_norm", False)
+        self.sync = sync_accumulation(model)
+        if self.sync is not None:  # the wrapper's sync accumulates: InBackwardOptimizer steps the reducing backward
+            engine_options = {**engine_options, "accumulation_steps": 1}
         self.autocast: torch.dtype | None = None  # the forward's autocast dtype, if any
         if before_optimizer is not None:
             before_optimizer(model)
@@ -178,21 +195,30 @@ class Job:
 
     def step(self, batches: Sequence[Any]) -> None:
         """One optimizer step over ``batches`` (its micro-batches, ``accumulation_steps`` of them)."""
-        for batch in batches:
-            self.phase("forward")
-            if self.autocast is None:
-                loss = self.loss_fn(self.model, batch) / len(batches)
-            else:
-                device = next(self.model.parameters()).device.type
-                with torch.autocast(device, dtype=self.autocast):
+        for j, batch in enumerate(batches):
+            with self._micro_batch(last=j == len(batches) - 1):
+                self.phase("forward")
+                if self.autocast is None:
                     loss = self.loss_fn(self.model, batch) / len(batches)
-            self.phase("backward")
-            if self.loop == "in_backward":
-                self.opt.backward(loss)
-            else:
-                loss.backward()
-            del loss
+                else:
+                    device = next(self.model.parameters()).device.type
+                    with torch.autocast(device, dtype=self.autocast):
+                        loss = self.loss_fn(self.model, batch) / len(batches)
+                self.phase("backward")
+                if self.loop == "in_backward":
+                    self.opt.backward(loss)
+                else:
+                    loss.backward()
+                del loss
         self._standard_step()
+
+    def _micro_batch(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """The wrapper's accumulation around one micro-batch: only the last one reduces."""
+        if self.sync == "no_sync" and not last:
+            return self.model.no_sync()  # type: ignore[operator]
+        if self.sync == "gradient_sync":
+            self.model.set_requires_gradient_sync(last)  # type: ignore[operator]
+        return contextlib.nullcontext()
 
     def _standard_step(self) -> None:
         """The standard loop's step after its backwards: clipping, ``opt.step()``, ``opt.zero_grad()``."""
@@ -234,10 +260,10 @@ class Job:
 def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any],
                 loss_fn: Callable[[nn.Module, Any], torch.Tensor], optimizer_class: type[torch.optim.Optimizer],
                 optimizer_kwargs: dict[str, Any], engine_options: dict[str, Any],
-                autocast_dtype: torch.dtype | None, layout: Layout, mesh: Any) -> tuple[LoopPlan, int]:
+                autocast_dtype: torch.dtype | None, layout: Layout, mesh: Any) -> tuple[LoopPlan, int, str]:
     from dist_optim._memory_trace import MemoryTrace
-    from dist_optim._plan_fsdp2 import following_resizes, local
-    from dist_optim._torch_internals import FakeTensorMode, tree_leaves
+    from dist_optim._plan_fsdp2 import local
+    from dist_optim._torch_internals import FakeTensorMode, fsdp_resized_tensors, tree_leaves
 
     micro = engine_options.get("accumulation_steps", 1)
     with FakeTensorMode(), layout.inside_fake_mode(), warnings.catch_warnings():
@@ -245,7 +271,7 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
         # only FSDP2's shared reduce-scatter buffers depend on it
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         model = model_fn()
-        trace = MemoryTrace()
+        trace = MemoryTrace(layout.collective_buffers())
 
         def seen(p: torch.Tensor) -> None:
             block = trace.block_of(local(p.grad))
@@ -276,7 +302,9 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
             trace.phase = name
         job.phase = phase
         resident = [local(t) for t in job.resident()] + extra
-        with trace, (following_resizes(trace) if layout.resizes else contextlib.nullcontext()):
+        with trace:
+            if layout.resizes:  # FSDP2's unsharded parameters, allocated and freed by resizing their storages
+                trace.follow(fsdp_resized_tensors(model))
             trace.seed(resident + [t for t in tree_leaves(batches) if isinstance(t, torch.Tensor)])
             for t in extra:  # DDP's buckets hold gradients
                 trace.block_of(t).is_grad = True
@@ -284,7 +312,8 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
             trace.phase = "forward"
             job.step(batches)
             trace.finish()
-        return loop_plan(loop, trace, start, model, job), n_params
+        device = next(model.parameters()).device.type
+        return loop_plan(loop, trace, start, model, job), n_params, device
 
 
 def loop_plan(loop: str, trace: Any, start: int, model: nn.Module, job: Job) -> LoopPlan:
@@ -300,7 +329,8 @@ def loop_plan(loop: str, trace: Any, start: int, model: nn.Module, job: Job) -> 
     for block, nbytes in trace.peak_blocks:
         key = id(block)
         category = ("parameters" if key in params else "optimizer_state" if key in state else
-                    "gradients" if block.is_grad else "activations" if block.phase == "forward" else "other")
+                    "communication" if block.is_comm else "gradients" if block.is_grad else
+                    "activations" if block.phase == "forward" else "other")
         breakdown[category] += nbytes
     assert sum(breakdown.values()) == trace.peak, (breakdown, trace.peak)
     return LoopPlan(loop, trace.peak, start, breakdown, trace.peak_phase, job.kernel, trace.timeline)
@@ -330,6 +360,7 @@ def plan(
     tp_size: int | None = None,
     shard_size: int | None = None,
     parallelize: Callable[[nn.Module, Any], Any] | None = None,
+    backend: str | None = None,
     **optimizer_kwargs: Any,
 ) -> MemoryPlan:
     """Plan one warm training step's memory on this process, for the standard loop and in backward, without
@@ -349,7 +380,10 @@ def plan(
             ``accumulation_steps``).
         optimizer_class: a ``torch.optim.Optimizer`` subclass.
         bucket_cap_mb, per_parameter, accumulation_steps, max_grad_norm, clip_mode, track_grad_norm: the
-            engine's options (see ``InBackwardOptimizer``); the standard loop clips as ``clip_mode`` says.
+            engine's options (see ``InBackwardOptimizer``); the standard loop clips as ``clip_mode`` says. Under
+            ``"ddp"`` and ``"fsdp2"`` the micro-batches accumulate as those wrappers do, in both loops: the first
+            ``accumulation_steps - 1`` under ``model.no_sync()`` or ``model.set_requires_gradient_sync(False)``,
+            the last one reducing (and, in backward, stepping).
         autocast_dtype: run the forward and the loss under ``torch.autocast`` with this dtype (mixed precision:
             the parameters, gradients and state keep theirs).
         world_size, parallel: the layout, planned for one representative rank, each rank on its own
@@ -381,6 +415,10 @@ def plan(
             others replicated DTensors, as ``launch.tensor_parallel.tensor_parallel``, the trainer's GPT plan,
             makes them): plain ones next to DTensors are refused. ``loss_fn`` gets the model's output as it is (a
             DTensor, if the plan leaves one).
+        backend: the process group's backend on the planned ranks, ``"gloo"`` or ``"nccl"`` (``None``: gloo on
+            CPU, NCCL on CUDA). Under FSDP2, FSDP2 x TP and HSDP the plan adds gloo's buffers inside the all-gather
+            (a flat output) and the reduce-scatter (a copy of the input) for each collective's duration, under
+            ``communication``; none for NCCL, whose internal buffers are not torch's allocator's (not seen).
         **optimizer_kwargs: ``optimizer_class``'s options (``lr``, ...).
 
     Returns:
@@ -408,17 +446,23 @@ def plan(
     if parallel == "pp":
         from dist_optim._plan_pipeline import plan_pipeline
 
-        return plan_pipeline(model_fn, batch_fn, loss_fn, optimizer_class, world_size=world_size,
-                             n_microbatches=n_microbatches, pp_schedule=pp_schedule, pp_stage_fn=pp_stage_fn,
-                             engine=engine, autocast_dtype=autocast_dtype, optimizer_kwargs=optimizer_kwargs)
+        check_backend(parallel, backend)
+        p = plan_pipeline(model_fn, batch_fn, loss_fn, optimizer_class, world_size=world_size,
+                          n_microbatches=n_microbatches, pp_schedule=pp_schedule, pp_stage_fn=pp_stage_fn,
+                          engine=engine, autocast_dtype=autocast_dtype, optimizer_kwargs=optimizer_kwargs)
+        for q in (p, *p.stages):
+            q.options["backend"] = backend
+        return p
     layout = Layout(parallel, world_size, ddp_bucket_cap_mb, gradient_as_bucket_view, fsdp_units, tp_size, shard_size,
-                    parallelize)
+                    parallelize, backend)
     layout.check(engine)
     plans = {}
     with layout.group() as mesh:
         for loop in LOOPS:
-            plans[loop], n_params = _trace_loop(loop, model_fn, batch_fn, loss_fn, optimizer_class,
-                                                optimizer_kwargs, engine, autocast_dtype, layout, mesh)
+            plans[loop], n_params, device = _trace_loop(loop, model_fn, batch_fn, loss_fn, optimizer_class,
+                                                        optimizer_kwargs, engine, autocast_dtype, layout, mesh)
+    if parallel != "none" and backend is None:  # as the collectives chose it: by the tensors' device
+        layout = dataclasses.replace(layout, backend="nccl" if device == "cuda" else "gloo")
     options = {**engine, **layout.recorded(),
                "autocast_dtype": None if autocast_dtype is None else str(autocast_dtype).split(".")[-1],
                "optimizer_class": f"{optimizer_class.__module__}.{optimizer_class.__qualname__}",

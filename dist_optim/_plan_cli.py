@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from dist_optim._plan import CLIP_MODES, MemoryPlan, plan
+from dist_optim._plan_fsdp2 import BACKENDS
 from dist_optim._plan_layouts import NOT_PLANNED, PARALLEL
 
 __all__: list[str] = []
@@ -122,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=int, default=None,
                    help="--parallel fsdp2+tp: tensor-parallel ranks per replica, a divisor of --world below it (a "
                         "(world / T, T) mesh); --parallel tp: none or --world")
+    p.add_argument("--backend", choices=BACKENDS, default=None,
+                   help="the ranks' process-group backend (default: gloo on CPU, nccl on CUDA): under FSDP2, FSDP2 x "
+                        "TP and HSDP gloo's buffers inside the all-gather and reduce-scatter are planned, NCCL's not")
     p.add_argument("--shard-size", type=int, default=None,
                    help="--parallel hsdp: the ranks each replica is sharded over, a divisor of --world below it (a "
                         "(world / S, S) mesh of replicas x shards)")
@@ -197,7 +201,8 @@ def main(argv: Sequence[str] | None = None) -> MemoryPlan:
                   autocast_dtype=None if args.autocast is None else getattr(torch, args.autocast),
                   world_size=args.world, parallel=args.parallel, ddp_bucket_cap_mb=args.ddp_bucket_cap_mb,
                   gradient_as_bucket_view=args.gradient_as_bucket_view, tp_size=args.tp_size,
-                  shard_size=args.shard_size, parallelize=None if parallelize is None else _class(parallelize),
+                  shard_size=args.shard_size, backend=args.backend,
+                  parallelize=None if parallelize is None else _class(parallelize),
                   **pipeline, lr=args.lr)
     result.options.update(batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
                           activation_checkpointing=args.activation_checkpointing,

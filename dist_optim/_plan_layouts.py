@@ -34,6 +34,7 @@ __all__: list[str] = []
 PARALLEL = ("none", "ddp", "fsdp2", "tp", "fsdp2+tp", "hsdp", "pp")  # the layouts planned; others are refused
 NOT_PLANNED: dict[str, str] = {}  # a layout named here is refused with its reason (none today)
 _MESHED = ("tp", "fsdp2+tp", "hsdp")  # planned by _plan_tp, on a fake device mesh
+_FSDP2 = ("fsdp2", "fsdp2+tp", "hsdp")  # the layouts running FSDP2's collectives
 _DEFAULT_CAP_MB = 25.0  # DDP's bucket_cap_mb when none is given (its first bucket is 1 MiB then)
 
 
@@ -49,6 +50,7 @@ class Layout:
     tp_size: int | None = None  # fsdp2+tp: the tensor-parallel ranks per replica (tp: world_size)
     shard_size: int | None = None  # hsdp: the ranks each replica is sharded over
     parallelize: Callable[[nn.Module, Any], Any] | None = None  # tp, fsdp2+tp: parallelize(model, tp_mesh)
+    backend: str | None = None  # the ranks' backend, "gloo" or "nccl" (None: by device, gloo on CPU)
 
     @property
     def replaces_parameters(self) -> bool:
@@ -58,11 +60,22 @@ class Layout:
     @property
     def resizes(self) -> bool:
         """FSDP2 allocates and frees unsharded parameters by resizing storages."""
-        return self.parallel in ("fsdp2", "fsdp2+tp", "hsdp")
+        return self.parallel in _FSDP2
+
+    def collective_buffers(self) -> Callable[[Any, tuple[Any, ...]], int] | None:
+        """What the backend allocates inside FSDP2's collectives (the trace's ``collective_buffers``); None where
+        the layout runs none on a process group (one process; DDP's stand-in reduces at once, and gloo's all-reduce
+        allocates nothing, measured)."""
+        if self.parallel not in _FSDP2:
+            return None
+        from dist_optim._plan_fsdp2 import collective_buffers
+
+        return collective_buffers(self.backend)
 
     def recorded(self) -> dict[str, Any]:
         """The options as JSON-ready values."""
-        out = {"parallel": self.parallel, "world_size": self.world_size, "layout": self.describe()}
+        out = {"parallel": self.parallel, "world_size": self.world_size, "layout": self.describe(),
+               "backend": self.backend}
         if self.parallel == "ddp":
             out.update(ddp_bucket_cap_mb=self.ddp_bucket_cap_mb, gradient_as_bucket_view=self.gradient_as_bucket_view)
         if self.parallel in _MESHED:
@@ -84,24 +97,17 @@ class Layout:
         if self.world_size < 1 or (self.parallel == "none" and self.world_size != 1):
             raise ValueError(f"world_size={self.world_size} with parallel={self.parallel!r}: one process plans "
                              f"world_size=1; give parallel one of {PARALLEL[1:]} for more ranks")
+        check_backend(self.parallel, self.backend)
         if self.parallel not in _MESHED and (self.tp_size, self.shard_size, self.parallelize) != (None, None, None):
             raise ValueError(f"tp_size, shard_size and parallelize apply to parallel in {_MESHED}, got parallel="
                              f"{self.parallel!r}")
         if self.parallel != "none" and dist.is_available() and dist.is_initialized():
             raise RuntimeError(f"plan(parallel={self.parallel!r}) runs without a real process group; call it in a "
                                "process that has not initialized one")
-        if self.parallel == "fsdp2" and engine.get("accumulation_steps", 1) > 1:
-            raise NotImplementedError("accumulation_steps > 1 with parallel='fsdp2' is not planned yet (not "
-                                      "validated against a measurement)")
         if self.parallel in _MESHED:
             from dist_optim._plan_tp import check
 
             check(self.parallel, self.world_size, self.tp_size, self.shard_size, self.parallelize, engine)
-        if self.parallel == "ddp":
-            if engine.get("accumulation_steps", 1) > 1:
-                raise NotImplementedError(
-                    "accumulation_steps > 1 with parallel='ddp': InBackwardOptimizer refuses it under DDP (which "
-                    "reduces in every backward; accumulate with no_sync()), and the planner plans what it runs")
 
     @contextlib.contextmanager
     def group(self) -> Iterator[Any]:
@@ -148,14 +154,14 @@ class Layout:
 
     def not_seen(self) -> tuple[str, ...]:
         """What a rank of this layout holds that the plan cannot see, with its size where it was measured."""
-        if self.parallel in _MESHED:
-            from dist_optim._plan_tp import not_seen
+        if self.parallel == "tp":
+            from dist_optim._plan_tp import NOT_SEEN
 
-            return not_seen(self.parallel)
-        if self.parallel == "fsdp2":
-            return ("FSDP2's collectives on gloo: reduce_scatter_tensor allocates a copy of its input and "
-                    "all_gather_into_tensor a flat output beside FSDP2's (measured on 2 gloo ranks; NCCL allocates "
-                    "neither through torch's allocator); the plan's collectives complete at once",)
+            return NOT_SEEN
+        if self.parallel in _FSDP2:
+            from dist_optim._plan_fsdp2 import not_seen
+
+            return not_seen(self.backend)
         if self.parallel != "ddp":
             return ()
         return ("DDP's collectives: on 2 gloo ranks (CPU) they allocated no tensor on gloo's threads (measured, "
@@ -171,6 +177,17 @@ class Layout:
             shape, names = mesh_shape(self.parallel, self.world_size, self.tp_size, self.shard_size)
             out += f" ({' x '.join(f'{n} {k}' for n, k in zip(names, shape))})"
         return out
+
+
+def check_backend(parallel: str, backend: str | None) -> None:
+    """``backend`` is one the planner knows, given for a layout with ranks."""
+    from dist_optim._plan_fsdp2 import BACKENDS
+
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None (gloo on CPU, NCCL on CUDA), got {backend!r}")
+    if backend is not None and parallel == "none":
+        raise ValueError(f"backend={backend!r} applies to a job on ranks; give parallel one of {PARALLEL[1:]}, or "
+                         "leave backend None for one process")
 
 
 def _reduced_at_once(state: Any, bucket: Any) -> torch.futures.Future:
@@ -249,9 +266,13 @@ class _Reducer:
     def prepare_for_backward(self, outputs: Any) -> None:
         self.pending = [len(b) for b in self.buckets]
         self.next_bucket = 0
+        self.expect = True  # a backward that reduces: not under no_sync() (DDP's expect_autograd_hooks_)
 
     def ready(self, i: int, p: torch.Tensor) -> None:
-        """Parameter ``i``'s gradient was accumulated (DDP's autograd hook)."""
+        """Parameter ``i``'s gradient was accumulated (DDP's autograd hook; under ``no_sync()`` it does nothing, and
+        the gradient accumulates in ``.grad``)."""
+        if not self.expect:
+            return
         if not ddp_rebuilt_buckets(self.ddp) and i not in self.order:
             self.order.append(i)
         b, v = self.where[i]
@@ -307,5 +328,8 @@ class PlannedDDP(nn.parallel.DistributedDataParallel):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             self.reducer.rebuild()
-            self.reducer.prepare_for_backward([])
+            if self.require_backward_grad_sync:
+                self.reducer.prepare_for_backward([])
+            else:  # under no_sync(): the backward reduces nothing
+                self.reducer.expect = False
         return self.module(*args, **kwargs)

@@ -4,8 +4,9 @@ on fake tensors over torch's fake process group and a fake device mesh, running 
 ``tp``: the user's ``parallelize(model, mesh)`` on a 1-D ``("tp",)`` mesh of every rank. ``fsdp2+tp``: a
 ``("dp", "tp")`` mesh of ``(world_size / tp_size, tp_size)``, ``parallelize`` on "tp", then ``fully_shard`` per unit
 and the root on "dp" (torchtitan's order). ``hsdp``: a ``("replicate", "shard")`` mesh of ``(world_size /
-shard_size, shard_size)``, ``fully_shard`` per unit and the root on it. The collectives complete at once and
-allocate nothing; DTensor's redistributions allocate their outputs, which the trace sees.
+shard_size, shard_size)``, ``fully_shard`` per unit and the root on it. The collectives complete at once;
+DTensor's redistributions allocate their outputs, which the trace sees, and gloo's buffers inside FSDP2's collectives
+are added as on an FSDP2 rank (``_plan_fsdp2.collective_buffers``).
 
 A device mesh keeps its ranks in a real integer tensor and recomputes sub-meshes from it (FSDP2 over a TP mesh
 concatenates them): :class:`RealMeshOps` runs an operator whose tensors are all real (they can only be a mesh's)
@@ -27,18 +28,11 @@ from dist_optim._torch_internals import TorchDispatchMode, fake_store, tree_iter
 __all__: list[str] = []
 
 TENSOR_PARALLEL = ("tp", "fsdp2+tp")  # the layouts that call the user's parallelize(model, mesh)
-# What a rank holds that the plan does not see, measured on gloo (benchmarks/bench_plan_layouts.py, docs/planning.md)
-NOT_SEEN = {
-    "tp": (("tensor parallel's collectives: DTensor's redistributions allocate their outputs, which the plan holds; "
-            "on 2 gloo ranks the collectives allocated nothing beside them (measured, every thread: 0 bytes); "
-            "NCCL's own buffers are not measured"),),
-    "fsdp2+tp": (("FSDP2's collectives on gloo over 'dp' allocate temporaries the plan's (complete at once) do "
-                  "not: measured on 2 x 2 gloo ranks, 0.5 MB at 1.7 M parameters, 1.6 MB at 12.9 M "
-                  "(docs/planning.md); NCCL's buffers are not torch's allocator's"),),
-    "hsdp": (("FSDP2's collectives on gloo allocate temporaries the plan's (complete at once) do not: measured on "
-              "2 x 2 gloo ranks, 0.5 MB at 1.7 M parameters, 2.6 MB at 12.9 M (docs/planning.md); NCCL's buffers "
-              "are not torch's allocator's"),),
-}
+# What a TP rank holds that the plan does not see, measured on gloo (benchmarks/bench_plan_layouts.py,
+# docs/planning.md); FSDP2 x TP and HSDP: _plan_fsdp2.not_seen
+NOT_SEEN = (("tensor parallel's collectives: DTensor's redistributions allocate their outputs, which the plan holds; "
+             "on 2 gloo ranks the collectives allocated nothing beside them (measured, every thread: 0 bytes); "
+             "NCCL's own buffers are not measured"),)
 
 
 def check(parallel: str, world_size: int, tp_size: int | None, shard_size: int | None,
@@ -142,6 +136,3 @@ class RealMeshOps(TorchDispatchMode):
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
 
-
-def not_seen(parallel: str) -> tuple[str, ...]:
-    return NOT_SEEN[parallel]

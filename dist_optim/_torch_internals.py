@@ -242,6 +242,30 @@ def fsdp_param_groups(unit: Any) -> list[Any]:
     return unit._get_fsdp_state()._fsdp_param_groups
 
 
+# The tensors whose storages FSDP2 resizes in place, of every fully_shard-ed module in ``module``: each FSDPParam's
+# all-gather outputs (which its unsharded parameter views) and an all-gather extension's unsharded inner tensors,
+# allocated at the copy-out after an all-gather and freed at reshard (``alloc_storage``/``free_storage``). No
+# operator reports a storage resize, so the memory planner's trace re-reads these storages' sizes at every operator
+# it sees. Made at the first all-gather. Public: none yet.
+def fsdp_resized_tensors(module: Any) -> list[torch.Tensor]:
+    from torch.distributed.fsdp import FSDPModule
+
+    out: list[torch.Tensor] = []
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            for group in fsdp_param_groups(m):
+                for fp in group.fsdp_params:
+                    out += [*fp.all_gather_outputs, *fp._unsharded_inner_tensors]
+    return out
+
+
+# The dispatcher's operators under FSDP2's all-gather (``all_gather_into_tensor``) and reduce-scatter
+# (``reduce_scatter_tensor``) on a process group: the memory planner adds gloo's buffers for their duration.
+# Public: none (``dist.all_gather_into_tensor`` and ``dist.reduce_scatter_tensor`` call them).
+def fsdp_collective_ops() -> tuple[Any, Any]:
+    return torch.ops.c10d._allgather_base_.default, torch.ops.c10d._reduce_scatter_base_.default
+
+
 # An FSDPParam's unsharded parameter (made at its first all-gather), for getattr with a default. Public: none yet.
 UNSHARDED_PARAM = "_unsharded_param"
 

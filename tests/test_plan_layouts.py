@@ -1,5 +1,7 @@
-"""The memory planner's layouts: one rank of a DDP job, planned on fake tensors in one process, against the same job
-measured on 2 real gloo ranks (every thread's tensor bytes, heap_shim.c); the layouts it does not plan refused."""
+"""The memory planner's layouts: one rank of a DDP or FSDP2 job (with accumulation too), planned on fake tensors in one
+process, against the same job measured on 2 real gloo ranks (every thread's tensor bytes, heap_shim.c; the mode of
+15 steps); gloo's buffers inside FSDP2's collectives, planned, and NCCL's, not; the layouts it does not plan
+refused."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from dist_optim._plan_cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 AGREEMENT = 0.10  # issue 25: planned within 10 % of measured, the saving too
-FSDP2_SAVING_BOUND = 0.10  # FSDP2 on gloo: the saving within 10 % of the standard peak (see the test)
+FSDP2_BYTES = 4096  # FSDP2 on gloo: the step's own peak and the saving this close (measured: to the byte, or 216 B)
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256,
               "max_position_embeddings": 64, "tie_word_embeddings": False}
@@ -43,12 +45,17 @@ def _assert_agrees(res: dict) -> None:
 
 
 @needs_ranks
-@pytest.mark.parametrize("label", ["ddp, cap 0.5", "ddp, cap 0.5, views"])
+@pytest.mark.parametrize("label", ["ddp, cap 0.5", "ddp, cap 0.5, views", "ddp, cap 0.5, accumulation 2",
+                                   "ddp, cap 0.5, views, accumulation 2"])
 def test_a_ddp_rank_planned_agrees_with_two_gloo_ranks_measured(label):
     _, shape, layout, engine = next(c for c in bench_plan_layouts.CONFIGS if c[0] == label)
     res = bench_plan_layouts.compare(shape, layout, engine)
     _assert_agrees(res)
-    if layout.get("gradient_as_bucket_view"):  # DDP's buckets hold every gradient in both loops: nothing to save
+    for loop in ("standard", "in_backward"):  # the step's own peak to the byte: gloo's all-reduce allocates nothing
+        assert res[loop]["planned_step_peak"] == res[loop]["measured_step_peak"], res[loop]
+    if layout.get("gradient_as_bucket_view") or engine.get("accumulation_steps", 1) > 1:
+        # DDP's buckets hold every gradient in both loops, or the gradients accumulated under no_sync() are all
+        # alive when the last backward starts: nothing to save
         assert res["saving"]["planned"] == 0
     else:  # the gradients copied into DDP's buckets are freed bucket by bucket in backward
         assert res["saving"]["planned"] > 2**20
@@ -57,24 +64,24 @@ def test_a_ddp_rank_planned_agrees_with_two_gloo_ranks_measured(label):
 
 
 @needs_ranks
-def test_an_fsdp2_rank_planned_agrees_with_two_gloo_ranks_measured():
-    _, shape, layout, engine = next(c for c in bench_plan_layouts.CONFIGS if c[0] == "fsdp2, 2 x 256, cap 0.5")
-    # Gloo's per-rank peak is not one number under FSDP2: some steps measure 17.27 MB where the others measure
-    # 14.63 (2.6 MB more, allocated below the dispatcher, where gloo's collectives allocate their temporaries), and
-    # the median of 3 steps was once the higher. The plan (collectives that allocate nothing) is compared with the
-    # lowest of 5 steps on each rank.
-    res = bench_plan_layouts.compare(shape, layout, engine, statistic="min")
+@pytest.mark.parametrize("label", ["fsdp2, 2 x 256, cap 0.5", "fsdp2, 2 x 256, accumulation 2"])
+def test_an_fsdp2_rank_planned_agrees_with_two_gloo_ranks_measured(label):
+    # The plan holds gloo's buffers inside FSDP2's collectives (communication: the all-gather's flat output, the
+    # reduce-scatter's copy of its input) for each collective's duration. Gloo frees some of them late, on its own
+    # thread, after the collective returned: a few of a rank's steps measure higher than the rest (headroom, stated in
+    # the plan), so each rank's most frequent step peak of 15 is compared.
+    _, shape, layout, engine = next(c for c in bench_plan_layouts.CONFIGS if c[0] == label)
+    res = bench_plan_layouts.compare(shape, layout, engine, statistic="mode")
     for loop in ("standard", "in_backward"):
         r = res[loop]
         assert abs(r["error"]) <= AGREEMENT, (loop, r["planned_peak"], r["measured_peak"], r["ranks"])
-        assert abs(r["step_error"]) <= AGREEMENT, (loop, r["planned_step_peak"], r["measured_step_peak"])
-        assert abs(r["planned_start"] / r["measured_start"] - 1) <= 0.01  # the shards and their state, to 1 %
-    # The saving here is within FSDP2_SAVING_BOUND of the standard peak, not of the saving itself: gloo's
-    # collectives allocate what the plan's do not (docs/planning.md), 0.52 to 1.3 MB on these ranks, and the
-    # in-backward saving of 0.79 MB planned is not seen on gloo (0 measured).
-    s, peak = res["saving"], res["standard"]["measured_peak"]
-    for measured in s["measured"]:
-        assert abs(s["planned"] - measured) <= FSDP2_SAVING_BOUND * peak, s
+        # tighter than the issue's 10 %: the step's own peak to FSDP2_BYTES, the resident bytes to 1 %
+        assert abs(r["planned_step_peak"] - r["measured_step_peak"]) <= FSDP2_BYTES, (loop, r["ranks"])
+        assert abs(r["planned_start"] / r["measured_start"] - 1) <= 0.01  # the shards and their state
+        assert r["breakdown"]["communication"] > 0  # gloo's buffers set the peak at this size
+    s = res["saving"]
+    for measured in s["measured"]:  # 0 planned and 0 measured on 2 x 256: gloo's buffers set both loops' peaks
+        assert abs(s["planned"] - measured) <= AGREEMENT * abs(measured) + FSDP2_BYTES, s
 
 
 def test_fsdp2_with_exact_clipping_holds_the_sharded_gradients_as_the_standard_loop_does():
@@ -117,8 +124,10 @@ def test_layouts_not_planned_are_refused_by_name():
             plan(model_fn, batch_fn, loss, world_size=2, parallel=parallel)
     with pytest.raises(ValueError, match="one process plans world_size=1"):
         plan(model_fn, batch_fn, loss, world_size=2)
-    with pytest.raises(NotImplementedError, match="accumulation_steps > 1 with parallel='ddp'"):
-        plan(model_fn, batch_fn, loss, world_size=2, parallel="ddp", accumulation_steps=2)
+    with pytest.raises(ValueError, match=r"backend must be one of \('gloo', 'nccl'\) or None .* got 'mpi'"):
+        plan(model_fn, batch_fn, loss, world_size=2, parallel="fsdp2", backend="mpi")
+    with pytest.raises(ValueError, match=r"backend='nccl' applies to a job on ranks"):
+        plan(model_fn, batch_fn, loss, backend="nccl")
 
 
 def test_the_command_line_plans_a_ddp_rank_and_refuses_a_pipeline_of_an_hf_model(tmp_path, capsys):
@@ -150,4 +159,25 @@ def test_an_fsdp2_rank_holds_a_shard_and_the_fake_group_is_gone_after(tmp_path, 
     assert one.n_params / 8 <= eight.n_params < one.n_params / 8 + 8 * 64 * 20
     assert eight.standard.breakdown["optimizer_state"] < one.standard.breakdown["optimizer_state"] / 7
     assert eight.options["layout"] == "per rank, fsdp2 on 8 ranks"
-    assert any("reduce_scatter_tensor" in line for line in eight.not_seen)
+    assert eight.standard.breakdown["communication"] > 0  # gloo's buffers inside FSDP2's collectives, on CPU
+    assert any("gloo frees some late" in line for line in eight.not_seen)
+
+
+def test_gloos_buffers_in_fsdp2s_collectives_are_planned_and_ncclss_are_not():
+    model_fn, batch_fn, loss = _gpt()
+    gloo = plan(model_fn, batch_fn, loss, world_size=2, parallel="fsdp2", lr=1e-3)  # CPU: gloo by default
+    nccl = plan(model_fn, batch_fn, loss, world_size=2, parallel="fsdp2", backend="nccl", lr=1e-3)
+    assert gloo.options["backend"] == "gloo" and nccl.options["backend"] == "nccl"  # by the device, when not given
+    assert plan(model_fn, batch_fn, loss, world_size=2, parallel="fsdp2", backend="gloo",
+                lr=1e-3).standard.peak_bytes == gloo.standard.peak_bytes
+    model = model_fn()
+    units = [4 * sum(p.numel() for p in m.parameters()) for m in model.blocks]  # unsharded bytes (float32)
+    largest = max(*units, 4 * sum(p.numel() for p in model.parameters()) - sum(units))  # a block, or the root's own
+    for g, n in zip(gloo.loops(), nccl.loops()):
+        assert n.breakdown["communication"] == 0
+        # at the peak: one all-gather's flat output or one reduce-scatter's copy of its input, a unit's bytes or less
+        assert 0 < g.breakdown["communication"] <= largest + 64  # (+ FSDP2's padding to 2 ranks)
+        assert n.peak_bytes <= g.peak_bytes <= n.peak_bytes + g.breakdown["communication"]
+        assert g.start_bytes == n.start_bytes
+    assert "communication" in gloo.table() and any("late" in line for line in gloo.not_seen)
+    assert not any("gloo frees" in line for line in nccl.not_seen)

@@ -244,6 +244,47 @@ def _check_fake_store() -> None:
     assert isinstance(internals.fake_store(), dist.Store)
 
 
+def _check_fsdp_resized_tensors() -> None:
+    # on torch's fake process group (2 ranks, this one rank 0), as the planner runs FSDP2
+    from torch.distributed.fsdp import fully_shard
+
+    from dist_optim._plan_fsdp2 import fake_group
+
+    with fake_group(2) as mesh:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, bias=False))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model(torch.ones(2, 4)).sum().backward()  # the first all-gather makes the all-gather outputs
+        resized = internals.fsdp_resized_tensors(model)
+        assert len(resized) == 3, f"{len(resized)} resized tensors for 3 parameters"
+        assert all(t.untyped_storage().size() == 0 for t in resized), "not freed at reshard"
+        for unit in (model[0], model):  # FSDP2 resizes these storages to the unsharded parameters' bytes
+            unit.unshard()
+        assert sorted(t.untyped_storage().size() for t in resized) == [16, 64, 64]
+        for unit in (model[0], model):
+            unit.reshard()
+        assert all(t.untyped_storage().size() == 0 for t in resized), "not freed at reshard"
+
+
+def _check_fsdp_collective_ops() -> None:
+    # what dist.all_gather_into_tensor and dist.reduce_scatter_tensor dispatch to, on torch's fake process group
+    import torch.distributed as dist
+
+    from dist_optim._plan_fsdp2 import fake_group
+
+    seen = []
+
+    class Ops(internals.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with fake_group(2), Ops():
+        dist.all_gather_into_tensor(torch.empty(4), torch.ones(2))
+        dist.reduce_scatter_tensor(torch.empty(2), torch.ones(4))
+    assert list(internals.fsdp_collective_ops()) == [f for f in seen if "c10d" in str(f)], seen
+
+
 def _check_dispatch_and_pytree() -> None:
     seen = []
 
@@ -510,6 +551,13 @@ CHECKS: dict[str, Entry] = {
         "torch.distributed.fsdp.FSDPModule._get_fsdp_state",
         "two_pass under FSDP2 could not tell accumulated unsharded gradients", ON_A_RANK),
     "UNSHARDED_PARAM": Entry(None, "two_pass under FSDP2 could miss accumulated unsharded gradients", ON_A_RANK),
+    "fsdp_resized_tensors": Entry(
+        "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam.init_all_gather_outputs",
+        "the planner would not see FSDP2's unsharded parameters (their storages resized in place)",
+        _check_fsdp_resized_tensors),
+    "fsdp_collective_ops": Entry(
+        "torch.ops.c10d._allgather_base_", "the planner would not add gloo's buffers inside FSDP2's collectives",
+        _check_fsdp_collective_ops),
     "FSDP_FLATTENED": Entry(
         "torch.distributed.fsdp._common_utils._set_fsdp_flattened",
         "the seed pair would step FSDP1's original parameters on local gradients, or refuse them",
