@@ -79,9 +79,9 @@ def planned_job(cfg: TrainConfig, environ: Mapping[str, str] = os.environ) -> Pl
     if parallel == "pp+fsdp2":
         raise LaunchError(f"--plan --parallel pp+fsdp2 (--pp-stages {cfg.pp_stages}): dist_optim.plan plans one "
                           "pipeline stage per rank (--parallel pp), not stages sharded with FSDP2")
-    if parallel != "none" and cfg.accumulation_steps > 1:
+    if parallel not in ("none", "ddp", "fsdp2") and cfg.accumulation_steps > 1:
         raise LaunchError(f"--plan --accumulation-steps {cfg.accumulation_steps} with --parallel {parallel}: "
-                          "dist_optim.plan plans accumulation on one process only (--parallel none)")
+                          "dist_optim.plan plans accumulation on one process, DDP and FSDP2 (not validated here)")
     if stages:  # each pipeline takes its part of the global batch, which the schedule splits
         micro = cfg.microbatches or MICROBATCHES
         rows = cfg.batch_size // (world // stages) // micro

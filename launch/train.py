@@ -80,7 +80,7 @@ Options that change the training loop:
   world size and the table, and writes RUN_DIR/plan.json and plan.png. The world size is torchrun's (rank 0 plans,
   the others exit at once; no process group is made) or, without torchrun, ``--nproc N``: an 8-process job planned
   on a laptop, ``python -m launch.train --plan --nproc 8 --parallel ddp``. Not planned, a one-line error:
-  ``--parallel pp+fsdp2``, ``--accumulation-steps`` above 1 with a wrapper, ``--optimizer muon``.
+  ``--parallel pp+fsdp2``, ``--accumulation-steps`` above 1 with tp or fsdp2+tp, ``--optimizer muon``.
 - ``--compare``: train the job with both loops, step by step, and write RUN_DIR/compare/report.md, report.json and
   compare.png (loss curves, their max difference, step times, per-rank peak memory and one step's memory timeline,
   and bytes per parameter of both loops: parameters and optimizer states counted from their tensors, then with the

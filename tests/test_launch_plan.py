@@ -35,8 +35,8 @@ TINY = [*(x for k, v in SHAPE.items() for x in (f"--{k.replace('_', '-')}", str(
 # --parallel: (processes, the trainer's flags, dist_optim.plan's arguments for that layout, as the trainer runs it)
 LAYOUTS = {
     "none": (1, ["--accumulation-steps", "2", "--max-grad-norm", "1", "--clip-mode", "two_pass"], {}),
-    "ddp": (2, [], {}),
-    "fsdp2": (4, [], {"fsdp_units": lambda model: list(model.blocks)}),  # each block, then the root
+    "ddp": (2, ["--accumulation-steps", "2"], {}),  # no_sync() on the first micro-batch, in both loops
+    "fsdp2": (4, ["--accumulation-steps", "2"], {"fsdp_units": lambda model: list(model.blocks)}),  # blocks, root
     "tp": (2, [], {"parallelize": tensor_parallel}),
     "fsdp2+tp": (4, ["--tp-size", "2"], {"tp_size": 2, "parallelize": tensor_parallel,
                                          "fsdp_units": lambda model: list(model.blocks)}),
@@ -145,8 +145,8 @@ def test_plan_predicts_the_peaks_and_the_saving_compare_measures(tmp_path, capsy
     (["--nproc", "2"], {"WORLD_SIZE": "4"}, "--nproc 2 under torchrun, which started 4 processes"),
     (["--parallel", "pp+fsdp2", "--nproc", "4", "--pp-stages", "2", "--tie-weights", "false"], {},
      "--plan --parallel pp+fsdp2 (--pp-stages 2): dist_optim.plan plans one pipeline stage per rank"),
-    (["--parallel", "ddp", "--nproc", "2", "--accumulation-steps", "2"], {},
-     "--plan --accumulation-steps 2 with --parallel ddp: dist_optim.plan plans accumulation on one process only"),
+    (["--parallel", "tp", "--nproc", "2", "--accumulation-steps", "2"], {},
+     "--plan --accumulation-steps 2 with --parallel tp: dist_optim.plan plans accumulation on one process, DDP"),
     (["--parallel", "tp", "--nproc", "2", "--n-embd", "33", "--n-head", "3"], {}, "--n-embd 33 must be a multiple"),
     (["--compare"], {}, "--plan and --compare"),
 ])
