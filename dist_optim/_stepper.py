@@ -3,7 +3,8 @@
 Inner optimizers are built here and nowhere else (:meth:`Recipe.build`), one per optimizer class in a bucket, with
 the facade's ``state`` and its live groups copied in before every step, and what a class writes into its groups
 copied back once per training step (:func:`step_inner_optimizers`). For torch's classes the kernel is torch's
-fastest one that runs on the tensors (``fused``, else ``foreach``); other classes keep their own default. Buckets of
+fastest one that runs on the tensors (``fused``, else ``foreach``); other classes keep their own default (torchao's
+Adam classes: their compiled per-tensor step, compiled once rather than once per tensor and call). Buckets of
 DTensor shards for elementwise optimizers are stepped on their local tensors, which saves DTensor's dispatch per
 call, while the facade keeps the state as DTensors. A DTensor whose gradient's placements differ from its own (a
 ``Replicate`` norm weight with a ``Partial`` gradient under SequenceParallel) is stepped through DTensor's ops
@@ -12,6 +13,7 @@ instead, which redistribute as the standard loop's do.
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -22,6 +24,7 @@ from dist_optim._inputs import is_dtensor
 from dist_optim._rule import check_bucketable, is_torch_step, no_rng
 from dist_optim._torch_internals import (
     LOCAL_TENSOR,
+    dynamo_recompile_limit_lifted,
     foreach_add_,
     fused_adam_,
     fused_adamw_,
@@ -212,6 +215,8 @@ class Recipe:
             elif cls in _FUSED_ADAM and all(k.get("fused") or g.get("fused") for k, g in zip(
                     fixed, (groups[gi] for gi, _, _ in cls_parts))) and _one_kind(params):
                 step = FusedAdamStep(step, cls is torch.optim.AdamW, optimizer)
+            elif (function := torchao_adam_function(cls, torchao_version())) is not None:
+                step = TorchaoAdamStep(step, function)
             inners.append(InnerOptimizer(optimizer, step, links, not is_torch_step(cls)))
         return inners
 
@@ -274,6 +279,77 @@ class FusedAdamStep:
                        [s["exp_avg_sq"] for s in states], maxes, steps, amsgrad=g["amsgrad"], lr=g["lr"],
                        beta1=beta1, beta2=beta2, weight_decay=g["weight_decay"], eps=g["eps"],
                        maximize=g["maximize"], grad_scale=None, found_inf=None)
+        self.direct += 1
+        return None
+
+
+# -- torchao's Adam classes: their compiled per-tensor step, compiled once ------------------------------------------
+TORCHAO_VERSION = "0.11"  # the torchao whose ``_AdamBase.step`` TorchaoAdamStep repeats, argument for argument
+
+
+def torchao_version() -> str | None:
+    """The version of the torchao imported in this process (None where none is: no class of it can be in use)."""
+    torchao = sys.modules.get("torchao")
+    return getattr(torchao, "__version__", None) if torchao is not None else None
+
+
+def torchao_adam_function(cls: type, version: str | None) -> Callable[..., Any] | None:
+    """torchao's ``single_param_adam`` where ``cls`` steps with torchao's own ``_AdamBase.step`` (the class does
+    not override it) and ``version`` is a torchao ``0.11.*``, the step :class:`TorchaoAdamStep` was written
+    against; else None (the class's own step)."""
+    if version is None or not (version == TORCHAO_VERSION or version.startswith(TORCHAO_VERSION + ".")):
+        return None
+    adam = sys.modules.get("torchao.optim.adam")
+    base = getattr(adam, "_AdamBase", None)
+    function = getattr(adam, "single_param_adam", None)
+    if base is None or function is None or not (isinstance(cls, type) and issubclass(cls, base)):
+        return None
+    return function if unwrapped_step(cls) is unwrapped_step(base) else None
+
+
+_COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}  # torchao's function -> it compiled, once per process
+
+
+class TorchaoAdamStep:
+    """The step of an inner torchao Adam/AdamW (8-bit, 4-bit, fp8 states; 0.11): torchao's own per-tensor function
+    compiled once, called with the arguments and under the settings torchao's ``_AdamBase.step`` uses (no grad,
+    ``fullgraph=True, dynamic=False``, dynamo's recompile limits lifted), so the result is that step's bit for bit.
+    torchao's step builds a new ``torch.compile`` wrapper for every tensor at every step (about 1 ms each on CPU),
+    which the standard loop pays once per tensor and a bucket's step too; this pays it once.
+
+    Precondition, checked when the bucket is built (:func:`torchao_adam_function`): torchao 0.11.*, and a class
+    that keeps ``_AdamBase.step``. At each step torchao's own step runs instead, whole, where a tensor has no state
+    yet (its first step creates it), a gradient is sparse (torchao's error) or a group's ``lr`` is not a tensor
+    (torchao's error)."""
+
+    def __init__(self, step: Callable[[torch.optim.Optimizer], Any], function: Callable[..., Any]) -> None:
+        self.step = step
+        self.function = function
+        self.direct = 0  # steps that called the compiled function directly (the others took torchao's step)
+
+    def __call__(self, opt: torch.optim.Optimizer) -> Any:
+        calls = []
+        state = opt.state
+        for g in opt.param_groups:
+            if not isinstance(g["lr"], torch.Tensor):
+                return self.step(opt)
+            for p in g["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
+                s = state.get(p)
+                if not s or grad.is_sparse:
+                    return self.step(opt)
+                calls.append((p, grad, s, g))
+        compiled = _COMPILED.get(self.function)
+        if compiled is None:
+            compiled = _COMPILED[self.function] = torch.compile(self.function, fullgraph=True, dynamic=False)
+        with torch.no_grad(), dynamo_recompile_limit_lifted():
+            for p, grad, s, g in calls:
+                s["step"] += 1
+                compiled(p.detach(), grad, s["step"], s["exp_avg"], s["exp_avg_sq"], s.get("max_exp_avg_sq"),
+                         g["lr"], g["betas"][0], g["betas"][1], g["weight_decay"], g["eps"], opt.is_adamw,
+                         opt.bf16_stochastic_round and p.dtype is torch.bfloat16)
         self.direct += 1
         return None
 

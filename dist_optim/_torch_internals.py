@@ -18,6 +18,7 @@ private for the reader (the DDP reducer method a torch lacks); code reaches one 
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import sys
@@ -336,6 +337,17 @@ WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsd
 # How a pickle names a torch.layout (torch.layout.__reduce__): checkpoint metadata is unpickled with an allowlist.
 # Public: none yet.
 PICKLED_LAYOUT = ("torch.serialization", "_get_layout")
+
+# -- torch.compile ---------------------------------------------------------------------------------------------------
+# dynamo's limits on how many graphs one function may compile (per code object, and in all): a function compiled
+# once with static shapes meets one shape per tensor of a model (torchao's Adam step, which torchao's own step runs
+# under the same lifted limits), and past the limit dynamo would run it uncompiled, other bits than the standard
+# loop's. Public: none yet (torch._dynamo.config is not a documented API).
+def dynamo_recompile_limit_lifted() -> contextlib.AbstractContextManager[None]:
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(recompile_limit=sys.maxsize, accumulated_recompile_limit=sys.maxsize)
+
 
 # -- compiled autograd -----------------------------------------------------------------------------------------------
 # What a user turns compiled autograd on with, named in the refusal. Public: none yet.

@@ -337,6 +337,29 @@ def _check_pickled_layout() -> None:
     assert module.encode() in data and name.encode() in data, data
 
 
+# -- torch.compile ---------------------------------------------------------------------------------------------------
+def _check_dynamo_recompile_limit_lifted() -> None:
+    config = _resolve("torch._dynamo.config")
+    limits = {"recompile_limit": 2, "accumulated_recompile_limit": 2}
+    compiled = []
+
+    def backend(gm, example_inputs):
+        compiled.append(tuple(example_inputs[0].shape))
+        return gm.forward
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    f = torch.compile(double, backend=backend, fullgraph=True, dynamic=False)
+    shapes = [(k,) for k in range(1, 6)]
+    with config.patch(**limits):
+        with internals.dynamo_recompile_limit_lifted():
+            for shape in shapes:
+                assert torch.equal(f(torch.ones(shape)), torch.full(shape, 2.0))
+        assert {n: getattr(config, n) for n in limits} == limits, "the limits were not put back"
+    assert compiled == shapes, f"compiled for {compiled} of {shapes}: the limit still applied"
+
+
 # -- compiled autograd -----------------------------------------------------------------------------------------------
 def _check_compiled_autograd_switches() -> None:
     config, enable = (s.split(" ")[0] for s in internals.COMPILED_AUTOGRAD_SWITCHES)
@@ -589,6 +612,11 @@ CHECKS: dict[str, Entry] = {
     "PICKLED_LAYOUT": Entry(
         "torch.serialization._get_layout", "checkpoint metadata holding a layout would be refused by the unpickler",
         _check_pickled_layout),
+    # torch.compile
+    "dynamo_recompile_limit_lifted": Entry(
+        "torch._dynamo.config.accumulated_recompile_limit",
+        "torchao's Adam step, compiled once, would run uncompiled past dynamo's limit of shapes (other bits than "
+        "torchao's own loop) or fail", _check_dynamo_recompile_limit_lifted),
     # compiled autograd
     "COMPILED_AUTOGRAD_SWITCHES": Entry(
         f"{_CA}._enable", "the compiled-autograd refusal would name switches that do not exist",
