@@ -1,4 +1,4 @@
-"""The fused Adam/AdamW step the engine runs on a bucket (``_stepper.FusedAdamStep``): torch's own kernel called
+"""The fused Adam/AdamW step the engine runs on a bucket (``_direct_steps.FusedAdamStep``): torch's own kernel called
 on the bucket's tensors without ``torch.optim``'s per-tensor bookkeeping. Bitwise the standard loop with the same
 fused optimizer, for every option it takes, and torch's own step wherever it does not apply."""
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import dist_optim
-from dist_optim._stepper import FusedAdamStep
+from dist_optim._direct_steps import FusedAdamStep
 
 OPTIONS = {
     "AdamW": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),

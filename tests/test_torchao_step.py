@@ -1,4 +1,4 @@
-"""The step of torchao's Adam classes in a bucket (``_stepper.TorchaoAdamStep``): torchao's own per-tensor function
+"""The step of torchao's Adam classes in a bucket (``_direct_steps.TorchaoAdamStep``): torchao's own per-tensor function
 compiled once per process, called with the arguments torchao's ``_AdamBase.step`` gives it, instead of a new
 ``torch.compile`` wrapper per tensor and step. Bitwise torchao's own standard loop (parameters, quantised states,
 losses) in one bucket, several buckets and per parameter, across an LR schedule and a state-dict round trip; and
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import dist_optim
-from dist_optim._stepper import TorchaoAdamStep, torchao_adam_function, torchao_version
+from dist_optim._direct_steps import TorchaoAdamStep, torchao_adam_function, torchao_version
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
