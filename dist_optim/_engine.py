@@ -232,13 +232,13 @@ class Engine:
                 "stages build the optimizers with dist_optim.pipeline_optimizers(schedule, ...); otherwise call "
                 "opt.step() after setting the gradients"
             )
-        if compiled_autograd_on():
-            self._refuse(tid, last, first, compiled_autograd_message())
         nested, roots = backward_frames()
         if tid == last.previous_task or nested:
             refuse_nested_backward()
         if not last.ended:
             self._recover(last, first)
+        if compiled_autograd_on():  # after _recover: what an unfinished backward left is dropped first
+            self._refuse(tid, last, first, compiled_autograd_message())
         if self.reductions is not None:
             self.reductions.reset()
         run = self.owner.backward_begins()

@@ -124,7 +124,7 @@ def _agree(groups: list[Any], options: dict[str, str], failed: bool) -> None:
         for rank, o in enumerate(every):
             if _FAILED in o:
                 raised.setdefault(o[_FAILED], []).append(rank if g is None else dist.get_global_rank(g, rank))
-        if raised:
+        if raised:  # a rank that raised is what to report; which options differ from its, it could not say
             continue
         keys = sorted(set().union(*every), key=lambda k: (k.startswith("param_groups"), k))
         for key in keys:

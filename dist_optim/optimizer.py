@@ -201,41 +201,44 @@ class InBackwardOptimizer(OptionsAndTelemetry, torch.optim.Optimizer):
                 "optimizer_cls_and_kwargs=(functools.partial(InBackwardOptimizer, ...), ...)) needs an optimizer "
                 "class instead: dist_optim.in_backward(torch.optim.AdamW, **engine_options)"
             )
-        check_optimizer_class(optimizer_class)
-        options = options_from(options, dict(
-            bucket_cap_mb=bucket_cap_mb, per_parameter=per_parameter, allow_local_steps=allow_local_steps,
-            accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm, clip_mode=clip_mode,
-            grad_norm_type=grad_norm_type, max_grad_value=max_grad_value, track_grad_norm=track_grad_norm,
-            grad_scaler=grad_scaler, overflow=overflow, nonfinite=nonfinite, strict=strict,
-            random_draws=random_draws,
-        ))
-        if internals.compiled_autograd_configured():
-            raise RuntimeError(compiled_autograd_message())
-        self._norm_order: dict[int, int] = {}  # id(tensor) -> its place in grad_norm_order
         ddp = params if isinstance(params, nn.parallel.DistributedDataParallel) else None
-        check_ddp(ddp, options.accumulation_steps, ddp_comm_hook)
         module = params if isinstance(params, nn.Module) else None
-        frozen = [(name, weakref.ref(p)) for name, p in module.named_parameters()
-                  if not p.requires_grad] if module is not None else []
-        edges = self._edges = TrainingStep(self, options, frozen, fsdp_units(module) if module is not None else None)
-        if module is not None:
-            check_sparse_modules(module, optimizer_class)
-            params = module_params(module)
-        groups = param_groups_of(params)
-        # Every rank of these groups must build the optimizer alike (checked below); a rank that raises before the
-        # check takes part in it with its error, so that the others raise too instead of waiting for it.
-        self._agree_on: list[Any] | None = agreement_groups(ddp, groups)
+        groups = param_groups_of(module_params(module) if module is not None else params)
+        # Every rank of these groups must build the optimizer alike (checked in _build); a rank that raises before
+        # the check takes part in it with its error, so that the others raise too instead of waiting for it.
+        agree_on = agreement_groups(ddp, groups)
+        checked: list[bool] = []  # appended to once every rank is in the check
         try:
+            check_optimizer_class(optimizer_class)
+            options = options_from(options, dict(
+                bucket_cap_mb=bucket_cap_mb, per_parameter=per_parameter, allow_local_steps=allow_local_steps,
+                accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm, clip_mode=clip_mode,
+                grad_norm_type=grad_norm_type, max_grad_value=max_grad_value, track_grad_norm=track_grad_norm,
+                grad_scaler=grad_scaler, overflow=overflow, nonfinite=nonfinite, strict=strict,
+                random_draws=random_draws,
+            ))
+            if internals.compiled_autograd_configured():
+                raise RuntimeError(compiled_autograd_message())
+            self._norm_order: dict[int, int] = {}  # id(tensor) -> its place in grad_norm_order
+            check_ddp(ddp, options.accumulation_steps, ddp_comm_hook)
+            frozen = [(name, weakref.ref(p)) for name, p in module.named_parameters()
+                      if not p.requires_grad] if module is not None else []
+            edges = self._edges = TrainingStep(self, options, frozen,
+                                               fsdp_units(module) if module is not None else None)
+            if module is not None:
+                check_sparse_modules(module, optimizer_class)
             self._build(ddp, groups, optimizer_class, optimizer_kwargs, options, edges, grad_norm_order,
-                        ddp_comm_hook, ddp_comm_state)
+                        ddp_comm_hook, ddp_comm_state, agree_on, checked)
         except Exception as e:
-            if self._agree_on:
-                announce_failure(self._agree_on, e)
+            if agree_on and not checked:
+                with contextlib.suppress(Exception):  # the user sees their error, not a failed announcement's
+                    announce_failure(agree_on, e)
             raise
 
     def _build(self, ddp: Any, groups: list[Any], optimizer_class: type[torch.optim.Optimizer],
                optimizer_kwargs: dict[str, Any], options: InBackwardOptions, edges: TrainingStep,
-               grad_norm_order: Any, ddp_comm_hook: Any, ddp_comm_state: Any) -> None:
+               grad_norm_order: Any, ddp_comm_hook: Any, ddp_comm_state: Any, agree_on: list[Any],
+               checked: list[bool]) -> None:
         self._optimizer_class = optimizer_class
         self._recipe = Recipe(self, optimizer_class, optimizer_kwargs)
         # Under DDP: parameters DDP reduces are stepped by its communication hook; the ones it ignores keep a local
@@ -258,7 +261,7 @@ class InBackwardOptimizer(OptionsAndTelemetry, torch.optim.Optimizer):
             self._norm_order = norm_order_of(grad_norm_order)
             self._rank_norms()
             edges.framework_watch.at_construction(self)
-            agree_on, self._agree_on = self._agree_on, None  # from here on, every rank is in the check
+            checked.append(True)  # from here on, every rank is in the check
             if agree_on:
                 check_same_options(self, agree_on, optimizer_class)
             if reductions is not None:

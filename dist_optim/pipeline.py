@@ -90,31 +90,43 @@ def pipeline_optimizers(
     base = kwargs.get("options")
     engine_options = InBackwardOptions(**given) if base is None else dataclasses.replace(base, **given)
     rest = {k: v for k, v in kwargs.items() if k not in keywords and k != "options"}  # the optimizer's own
-    from torch.distributed.fsdp import FSDPModule  # a schedule exists only where torch.distributed does
-
     for stage in stages:  # every stage first: a refused one must not leave the optimizers of those before attached
         _check_stage(schedule, stage, len(stages))
-    optimizers = []
-    for stage in stages:
-        module = stage.submod
-        sharded = isinstance(module, FSDPModule)
-        # the schedule's mean over its n micro-batches, taken as it takes it (grad.div_(n))
-        options = dataclasses.replace(engine_options, grad_divisor=n if scale and n > 1 else None)
-        if sharded:
-            # The schedule turns FSDP2's gradient sync off in every micro-batch backward, so the sharded parameters'
-            # hooks run once per schedule.step(), after the last backward, from perform_reduce_grad: each bucket
-            # steps there, as its reduce-scatter lands, in a window that ends when the reduction does.
-            opt = InBackwardOptimizer(module, optimizer_class, options=options, **rest)
-            _reduce_in_window(stage, opt)
-        else:
-            # A plain stage's parameters live on its rank alone: stepping them on the local gradient is the
-            # standard loop; its hooks run in every micro-batch backward, and the last one steps.
-            options = dataclasses.replace(options, accumulation_steps=n,
-                                          allow_local_steps=kwargs.get("allow_local_steps", True))
-            opt = InBackwardOptimizer(module, optimizer_class, options=options, **rest)
-        opt.register_step_pre_hook(_Guard(schedule, stage, n, scale, sharded))
-        optimizers.append(opt)
+    optimizers: list[InBackwardOptimizer] = []
+    try:
+        for stage in stages:
+            optimizers.append(_stage_optimizer(schedule, stage, n, scale, engine_options, optimizer_class, rest,
+                                               kwargs.get("allow_local_steps", True)))
+    except BaseException:
+        for opt in optimizers:  # a stage whose optimizer raised (its class refused there): nothing stays attached
+            opt.remove()
+        raise
     return optimizers
+
+
+def _stage_optimizer(schedule: Any, stage: Any, n: int, scale: bool, engine_options: InBackwardOptions,
+                     optimizer_class: type[torch.optim.Optimizer], rest: dict[str, Any],
+                     allow_local_steps: bool) -> InBackwardOptimizer:
+    """The optimizer of one (checked) stage."""
+    from torch.distributed.fsdp import FSDPModule  # a schedule exists only where torch.distributed does
+
+    module = stage.submod
+    sharded = isinstance(module, FSDPModule)
+    # the schedule's mean over its n micro-batches, taken as it takes it (grad.div_(n))
+    options = dataclasses.replace(engine_options, grad_divisor=n if scale and n > 1 else None)
+    if sharded:
+        # The schedule turns FSDP2's gradient sync off in every micro-batch backward, so the sharded parameters'
+        # hooks run once per schedule.step(), after the last backward, from perform_reduce_grad: each bucket
+        # steps there, as its reduce-scatter lands, in a window that ends when the reduction does.
+        opt = InBackwardOptimizer(module, optimizer_class, options=options, **rest)
+        _reduce_in_window(stage, opt)
+    else:
+        # A plain stage's parameters live on its rank alone: stepping them on the local gradient is the
+        # standard loop; its hooks run in every micro-batch backward, and the last one steps.
+        options = dataclasses.replace(options, accumulation_steps=n, allow_local_steps=allow_local_steps)
+        opt = InBackwardOptimizer(module, optimizer_class, options=options, **rest)
+    opt.register_step_pre_hook(_Guard(schedule, stage, n, scale, sharded))
+    return opt
 
 
 def _check_stage(schedule: Any, stage: Any, n_stages: int) -> None:

@@ -125,6 +125,9 @@ def plan_arguments(cfg: TrainConfig, job: PlannedJob) -> dict[str, Any]:
     if job.stages:
         layout.update(n_microbatches=job.micro_batches, pp_schedule=cfg.pp_schedule or SCHEDULE,
                       pp_stage_fn=gpt_stage)
+    if job.parallel != "none":  # the run's backend (launch.runtime.start): NCCL on CUDA, where gloo's buffers are not
+        cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        layout["backend"] = "nccl" if cuda else "gloo"
     return dict(model_fn=lambda: from_config(cfg.to_dict(), VOCAB_SIZE), batch_fn=batch, loss_fn=loss,
                 optimizer_class=optimizer_class(cfg.optimizer), bucket_cap_mb=cfg.bucket_cap_mb,
                 accumulation_steps=1 if job.stages else job.micro_batches, max_grad_norm=cfg.max_grad_norm,

@@ -77,6 +77,7 @@ def _options_differ(ctx) -> None:
     for kwargs, error, message in (
         ({"lr": 0.1 if rank == 0 else -1.0}, ValueError, "Invalid learning rate: -1.0"),
         ({"random_draws": "reordered" if rank == 0 else "exact"}, NotImplementedError, "random_draws='reordered'"),
+        ({"lr": 0.1, "bucket_cap_mb": 25 if rank == 0 else 0}, ValueError, "bucket_cap_mb must be > 0"),  # engine's
     ):
         cls = NoisySGD if "random_draws" in kwargs else torch.optim.SGD
         if rank == 1:

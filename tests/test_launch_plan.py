@@ -105,6 +105,19 @@ def test_plan_is_dist_optim_plan_of_the_layout_on_the_runs_micro_batch(parallel,
     assert planned["options"]["layout"] == direct.options["layout"]
 
 
+@pytest.mark.parametrize(("device", "backend"), [("cpu", "gloo"), ("cuda", "nccl")])
+def test_plan_takes_the_runs_backend(device, backend, tmp_path, capsys):
+    """The run's process group: gloo on CPU (its buffers inside FSDP2's collectives planned), NCCL on CUDA (none
+    planned; the output says NCCL's own are not seen). Planned on this CPU either way: nothing runs on the device."""
+    argv = [*TINY, "--parallel", "fsdp2", "--nproc", "2", "--device", device, "--run-dir", str(tmp_path), "--plan"]
+    assert train.main(argv) == 0
+    planned = json.loads((tmp_path / "plan.json").read_text())
+    assert planned["options"]["backend"] == backend
+    communication = [planned[loop]["breakdown"]["communication"] for loop in ("standard", "in_backward")]
+    assert (min(communication) > 0) == (backend == "gloo"), communication
+    assert ("NCCL's own buffers" in capsys.readouterr().out) == (backend == "nccl")
+
+
 def test_plan_under_torchrun_rank_0_plans_the_job_of_its_world_size(tmp_path):
     """torchrun's WORLD_SIZE is the job's: rank 0 plans and writes, the other exits."""
     out = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "launch.train", *TINY, "--plan",

@@ -422,6 +422,17 @@ def _interleaved_with(ctx, wrap) -> tuple[list[nn.Module], object]:
     return modules, ScheduleInterleaved1F1B(stages, n_microbatches=MICRO_BATCHES, loss_fn=_loss)
 
 
+class _NoCubes(torch.optim.SGD):
+    """SGD that refuses 3-D tensors at construction, as a class refuses tensors it cannot step (Muon, 1-D ones)."""
+
+    def __init__(self, params, **kwargs):
+        params = list(params)
+        tensors = [t for g in params for t in (g["params"] if isinstance(g, dict) else [g])]
+        if any((t[1] if isinstance(t, tuple) else t).dim() == 3 for t in tensors):  # (name, tensor) pairs too
+            raise ValueError("no 3-D tensors")
+        super().__init__(params, **kwargs)
+
+
 def _stages_refused(ctx):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -448,6 +459,18 @@ def _stages_refused(ctx):
             dist_optim.pipeline_optimizers(sched, torch.optim.SGD, lr=0.1)
         attached = [n for m in modules for n, p in m.named_parameters() if p._post_accumulate_grad_hooks]
         assert not attached, f"refused, but left hooks on {attached}"
+
+    def with_a_3d_tensor(m):
+        m.register_parameter("cube", nn.Parameter(torch.zeros(2, 2, 2)))  # not used in forward
+        return m
+
+    # the second stage passes the checks, but its optimizer's class refuses its tensors: the first stage's
+    # optimizer, built already, is detached again
+    modules, sched = _interleaved_with(ctx, with_a_3d_tensor)
+    with pytest.raises(ValueError, match="no 3-D tensors"):
+        dist_optim.pipeline_optimizers(sched, _NoCubes, lr=0.1)
+    attached = [n for m in modules for n, p in m.named_parameters() if p._post_accumulate_grad_hooks]
+    assert not attached, f"refused, but left hooks on {attached}"
     # a stage with a dw_builder computes its weights' gradients after the backward, outside the hooks
     module = nn.Sequential(copy.deepcopy(_layers()[ctx.rank]))
     stage = PipelineStage(module, ctx.rank, ctx.world, torch.device("cpu"), dw_builder=lambda: lambda: None)
