@@ -42,7 +42,7 @@ def test_invalid_option_value_surfaces_at_construction():
     (dict(lr=-1.0), ValueError),
     (dict(lr=0.1, bucket_cap_mb=0), ValueError),  # the engine's
 ])
-def test_a_failed_construction_attaches_nothing(kwargs, error):
+def test_a_construction_the_options_fail_attaches_nothing(kwargs, error):
     model, ref = make_model(), make_model()
     with pytest.raises(error):
         InBackwardOptimizer(model.parameters(), torch.optim.SGD, **kwargs)
