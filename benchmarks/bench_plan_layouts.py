@@ -23,7 +23,6 @@ allocate as tensors, which the plan cannot see.
 from __future__ import annotations
 
 import argparse
-import collections
 import gc
 from typing import Any
 
@@ -144,13 +143,6 @@ def measured(shape: tuple[int, ...], layout: dict[str, Any], engine: dict[str, A
     return out
 
 
-def mode(xs: list[int]) -> int:
-    """The most frequent value (the lowest of those, on a tie)."""
-    counts = collections.Counter(xs)
-    most = max(counts.values())
-    return min(x for x, n in counts.items() if n == most)
-
-
 def compare(shape: tuple[int, ...], layout: dict[str, Any], engine: dict[str, Any], statistic: str = "mode"
             ) -> dict[str, Any]:
     """Planned (one rank) against measured (every rank); ``error`` is (planned - measured) / measured on the rank
@@ -159,7 +151,7 @@ def compare(shape: tuple[int, ...], layout: dict[str, Any], engine: dict[str, An
     are higher (a buffer gloo frees late, on its own thread, after the collective has returned, that lands on the
     peak) or lower: the mode is the step the plan plans, and ``late`` counts the steps above it on each rank
     (``late_max_bytes``: the most above), the headroom the plan states."""
-    pick = {"mode": mode, "median": lambda xs: sorted(xs)[(len(xs) - 1) // 2], "min": min}[statistic]
+    pick = {"mode": h.mode, "median": lambda xs: sorted(xs)[(len(xs) - 1) // 2], "min": min}[statistic]
     model_fn, batch_fn, loss = _builders(shape)
     parallel, world = _parallel(layout), _world(layout)
     extra: dict[str, Any] = {}

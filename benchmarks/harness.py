@@ -15,6 +15,7 @@ scenarios before into any peak; one spawner would cost one side its speed or the
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import ctypes
 import ctypes.util
@@ -183,25 +184,36 @@ class HeapShim:
 
     def warm_step(self, step: Fn, base: int, times: int) -> dict[str, Any]:
         """A warm ``step``'s figures on this rank: the live bytes at its start above ``base`` (every thread's
-        tensors), its peak above the start (the median of ``times`` steps, each kept), and the profiler's peak of
-        one more (the calling thread only: the difference is what other threads allocate as tensors)."""
+        tensors; the most frequent of ``times`` steps' starts: a buffer gloo frees late, on its own thread, can
+        still be alive when one step starts), its peak above the start (the median of ``times`` steps, each
+        kept), and the profiler's peak of one more (the calling thread only: the difference is what other threads
+        allocate as tensors)."""
         gc.collect()
-        start = self.lib.shim_current() - base
         peak = self.peak(step, times)
-        return {"start_bytes": start, "step_peak_bytes": peak["peak_bytes"], "step_peak_each": peak["peak_bytes_each"],
+        return {"start_bytes": mode(peak["start_each"]) - base, "start_each": [s - base for s in peak["start_each"]],
+                "step_peak_bytes": peak["peak_bytes"], "step_peak_each": peak["peak_bytes_each"],
                 "profiler_step_peak_bytes": allocator_peak(step)["peak_bytes"]}
 
     def peak(self, fn: Fn, times: int) -> dict[str, Any]:
         """Median over ``times`` calls of ``fn`` of the peak above the call's start (gloo's timing moves it by a
         block now and then)."""
-        each = []
+        each, starts = [], []
         with gc_paused():
             for _ in range(times):
                 self.lib.shim_reset()
                 start = self.lib.shim_current()
                 fn()
                 each.append(self.lib.shim_peak() - start)
-        return {"source": "heap_shim", "peak_bytes": sorted(each)[(len(each) - 1) // 2], "peak_bytes_each": each}
+                starts.append(start)
+        return {"source": "heap_shim", "peak_bytes": sorted(each)[(len(each) - 1) // 2], "peak_bytes_each": each,
+                "start_each": starts}
+
+
+def mode(xs: list[int]) -> int:
+    """The most frequent value (the lowest of those, on a tie)."""
+    counts = collections.Counter(xs)
+    most = max(counts.values())
+    return min(x for x, n in counts.items() if n == most)
 
 
 def build_shim(folder: str) -> tuple[str | None, str]:
