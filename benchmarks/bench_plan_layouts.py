@@ -14,7 +14,7 @@ micro-batch, the TP ranks of a replica the same), two warm-up steps (DDP rebuild
 measures a step
 with ``heap_shim.c`` preloaded: the tensor bytes of every thread (gloo's work threads too), their peak above the
 step's start (the mode of 15 steps: gloo frees some buffers late, on its own thread, in a few of them) and the live
-bytes at the start above those before the model was built. Each loop
+bytes at the start above those before the model was built (the mode of the steps' starts). Each loop
 runs in its own group of ranks (a loop's model freed late would move the next one's baseline). The profiler's
 peak of the same step (the calling thread only) is recorded beside it: the difference is what gloo's threads
 allocate as tensors, which the plan cannot see.
