@@ -28,7 +28,7 @@ from .gpt import from_config, loss_fn
 from .optimizers import OPTIMIZERS, check_parallel, optimizer_class, optimizer_kwargs
 from .pipeline import MICROBATCHES, SCHEDULE, check_pipeline, gpt_stage
 from .runtime import LaunchError, Runtime, resolve_parallel
-from .tensor_parallel import TENSOR_PARALLEL, check_tp, data_parallel, tensor_parallel
+from .tensor_parallel import TENSOR_PARALLEL, batch_split, check_tp, tensor_parallel
 from .train_config import MODEL_SHAPE, TrainConfig
 
 __all__ = ["PlannedJob", "plan_arguments", "plan_memory", "planned_job"]
@@ -86,11 +86,8 @@ def planned_job(cfg: TrainConfig, environ: Mapping[str, str] = os.environ) -> Pl
         micro = cfg.microbatches or MICROBATCHES
         rows = cfg.batch_size // (world // stages) // micro
     else:
-        _, dp_size = data_parallel(rt, parallel, tp_size)
+        _, dp_size = batch_split(cfg, rt, parallel, tp_size)  # the run's own check
         micro = cfg.accumulation_steps
-        if cfg.batch_size % (dp_size * micro):
-            raise LaunchError(f"batch_size must be a multiple of the data-parallel ranks x accumulation_steps = "
-                              f"{dp_size} x {micro}, got {cfg.batch_size}")
         rows = cfg.batch_size // (dp_size * micro)
     return PlannedJob(parallel, world, source, tp_size, stages, (rows, cfg.block_size), micro)
 

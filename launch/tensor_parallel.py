@@ -13,7 +13,7 @@ from torch import nn
 
 from .runtime import LaunchError, Runtime
 
-__all__ = ["TENSOR_PARALLEL", "check_tp", "data_parallel", "parallelize", "tensor_parallel"]
+__all__ = ["TENSOR_PARALLEL", "batch_split", "check_tp", "data_parallel", "parallelize", "tensor_parallel"]
 
 TENSOR_PARALLEL = ("tp", "fsdp2+tp")  # the --parallel values that shard matmuls
 
@@ -52,6 +52,17 @@ def data_parallel(rt: Runtime, parallel: str, tp_size: int) -> tuple[int, int]:
     if parallel in TENSOR_PARALLEL:
         return rt.rank // tp_size, rt.world // tp_size
     return rt.rank, rt.world
+
+
+def batch_split(cfg: Any, rt: Runtime, parallel: str, tp_size: int) -> tuple[int, int]:
+    """:func:`data_parallel`, checked: the global batch must split evenly over the replicas and the micro-batches
+    (``--accumulation-steps``), or a LaunchError naming both."""
+    dp_rank, dp_size = data_parallel(rt, parallel, tp_size)
+    if cfg.batch_size % (dp_size * cfg.accumulation_steps):
+        ranks = "data-parallel replicas (world / TP size)" if tp_size else "world size"
+        raise LaunchError(f"batch_size must be a multiple of {ranks} x accumulation_steps = {dp_size} x "
+                          f"{cfg.accumulation_steps}, got {cfg.batch_size}")
+    return dp_rank, dp_size
 
 
 def _replicate(module: nn.Module, mesh, shared: dict[int, tuple[nn.Parameter, nn.Parameter]],

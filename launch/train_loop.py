@@ -24,7 +24,7 @@ from .gpt import from_config, loss_fn
 from .optimizers import check_parallel, optimizer_class, optimizer_kwargs, param_groups, standard_optimizer
 from .pipeline import PIPELINED, build_pipeline, run_schedule
 from .runtime import LaunchError, Runtime, sync_context, wrap
-from .tensor_parallel import check_tp, data_parallel
+from .tensor_parallel import batch_split, check_tp, data_parallel
 from .train_config import TrainConfig
 
 __all__ = ["Job", "StepResult"]
@@ -65,14 +65,10 @@ class Job:
     def __init__(self, cfg: TrainConfig, rt: Runtime, corpus: Corpus, parallel: str, mode: str) -> None:
         tp_size = check_tp(cfg, rt, parallel)
         # the TP ranks of a replica share its batch: the global batch is split over the replicas only
-        self.dp_rank, self.dp_size = data_parallel(rt, parallel, tp_size)
-        per_step = self.dp_size * cfg.accumulation_steps
-        if parallel not in PIPELINED and cfg.batch_size % per_step:
-            ranks = "data-parallel replicas (world / TP size)" if tp_size else "world size"
-            raise LaunchError(
-                f"batch_size must be a multiple of {ranks} x accumulation_steps = {self.dp_size} x "
-                f"{cfg.accumulation_steps}, got {cfg.batch_size}"
-            )
+        if parallel in PIPELINED:  # a pipeline's schedule splits its batch itself
+            self.dp_rank, self.dp_size = data_parallel(rt, parallel, tp_size)
+        else:
+            self.dp_rank, self.dp_size = batch_split(cfg, rt, parallel, tp_size)
         self.cfg, self.rt, self.corpus, self.parallel, self.mode = cfg, rt, corpus, parallel, mode
         check_parallel(cfg.optimizer, parallel)
         torch.manual_seed(cfg.seed)
