@@ -20,7 +20,7 @@ import torch
 
 from benchmarks import harness as h
 from dist_optim import plan
-from dist_optim._plan import LOOPS, Job
+from dist_optim._planner._plan import LOOPS, Job
 from launch.gpt import GPT, loss_fn
 
 VOCAB = 256

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dist_optim._inputs import check_optimizer_class
+from dist_optim.engine._inputs import check_optimizer_class
 from dist_optim.optimizer import InBackwardOptimizer
 
 __all__: list[str] = []

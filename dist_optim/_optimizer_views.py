@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dist_optim import _torch_internals as internals
-from dist_optim._buckets import OUTSIDE_BACKWARD
-from dist_optim._grad_policy import StepStats
-from dist_optim._inputs import norm_order_of
-from dist_optim._options import InBackwardOptions, check_for_params
+from dist_optim.engine._buckets import OUTSIDE_BACKWARD
+from dist_optim.engine._grad_policy import StepStats
+from dist_optim.engine._inputs import norm_order_of
+from dist_optim.engine._options import InBackwardOptions, check_for_params
 
 if TYPE_CHECKING:
-    from dist_optim._engine import Engine
-    from dist_optim._stepper import Recipe
+    from dist_optim.engine._engine import Engine
+    from dist_optim.engine._stepper import Recipe
     from dist_optim._training_step import TrainingStep
 
 __all__: list[str] = []

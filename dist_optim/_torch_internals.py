@@ -10,7 +10,7 @@ read on a torch object is a function here, or its name as a constant where the c
 default; ``local_tensor`` is an ``operator.attrgetter`` (a C call, no Python frame).
 
 Not torch privates, so not here: ``param._in_backward_optimizers``, ``param._optimizer_classes`` and
-``param._optimizer_kwargs`` (``dist_optim._seed_pair``) are the seed pair's own public contract, the layout of
+``param._optimizer_kwargs`` (``dist_optim.parallel._seed_pair``) are the seed pair's own public contract, the layout of
 torch's private ``_apply_optimizer_in_backward`` that it reproduces and torch's DDP reads; the private names of
 other packages (torchtune's recipe) stay with their adapters. Docstrings and messages elsewhere may name a torch
 private for the reader (the DDP reducer method a torch lacks); code reaches one only through this module.
@@ -207,7 +207,7 @@ def ddp_rebuilt_buckets(ddp: Any) -> bool:
 
 
 # The names of those two on DDP and its reducer, which the memory planner's stand-in for DDP carries
-# (dist_optim._plan_layouts.PlannedDDP). Public: none yet.
+# (dist_optim._planner._layouts.PlannedDDP). Public: none yet.
 DDP_REBUILT_BUCKETS = "_has_rebuilt_buckets"
 SKIP_GRAD_WRITEBACK = "_set_optimizer_in_backward"
 

@@ -1,6 +1,6 @@
 """The edges of a training step around the engine: which backwards step, the hooks that fire, what ``step()`` does.
 
-:class:`TrainingStep` is the engine's :class:`~dist_optim._engine.Owner` and owns the step's counters: the
+:class:`TrainingStep` is the engine's :class:`~dist_optim.engine._engine.Owner` and owns the step's counters: the
 accumulation gate (``no_step()``, ``accumulation_steps``), the count of stepping backwards between two ``step()``
 calls (a loop that accumulates as for a standard optimizer), the check for gradients no optimizer steps, the step
 hooks, the two backwards of ``clip_mode="two_pass"`` and the standard ``step()`` on gradients left in ``.grad``.
@@ -20,17 +20,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dist_optim import _torch_internals as internals
-from dist_optim._buckets import OUTSIDE_BACKWARD, Run
-from dist_optim._ddp import DDPCommHook
+from dist_optim.engine._buckets import OUTSIDE_BACKWARD, Run
+from dist_optim.parallel._ddp import DDPCommHook
 from dist_optim._frameworks import Watch, adapted_framework_above
-from dist_optim._fsdp2 import accumulated_unsharded
-from dist_optim._grad_policy import GradPolicy
-from dist_optim._inputs import check_single_process, is_dtensor
-from dist_optim._options import InBackwardOptions, check_for_params
-from dist_optim._owners import is_owned
+from dist_optim.parallel._fsdp2 import accumulated_unsharded
+from dist_optim.engine._grad_policy import GradPolicy
+from dist_optim.engine._inputs import check_single_process, is_dtensor
+from dist_optim.engine._options import InBackwardOptions, check_for_params
+from dist_optim.engine._owners import is_owned
 
 if TYPE_CHECKING:
-    from dist_optim._engine import Engine
+    from dist_optim.engine._engine import Engine
     from dist_optim.optimizer import InBackwardOptimizer
 
 __all__: list[str] = []

@@ -19,19 +19,19 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dist_optim import _torch_internals as internals
-from dist_optim._class_state import (
+from dist_optim.engine._class_state import (
     class_load_state_dict,
     class_state_dict,
     convert_loaded_state,
     forwarded_attribute,
     own_class,
 )
-from dist_optim._ddp import DDPCommHook, check_ddp, ddp_managed
-from dist_optim._engine import Engine
-from dist_optim._fingerprint import agreement_groups, announce_failure, check_same_options
-from dist_optim._fsdp2 import fsdp_units
-from dist_optim._guards import compiled_autograd_message
-from dist_optim._inputs import (
+from dist_optim.parallel._ddp import DDPCommHook, check_ddp, ddp_managed
+from dist_optim.engine._engine import Engine
+from dist_optim.engine._fingerprint import agreement_groups, announce_failure, check_same_options
+from dist_optim.parallel._fsdp2 import fsdp_units
+from dist_optim.engine._guards import compiled_autograd_message
+from dist_optim.engine._inputs import (
     as_list,
     check_optimizer_class,
     check_sparse_modules,
@@ -43,10 +43,10 @@ from dist_optim._inputs import (
     warn_fused_with_uneven_scale,
 )
 from dist_optim._optimizer_views import OptionsAndTelemetry
-from dist_optim._options import DEFAULT_BUCKET_CAP_MB, InBackwardOptions, options_from
-from dist_optim._owners import check_unowned, record_owner, release
-from dist_optim._rule import reordering_refused
-from dist_optim._stepper import Recipe
+from dist_optim.engine._options import DEFAULT_BUCKET_CAP_MB, InBackwardOptions, options_from
+from dist_optim.engine._owners import check_unowned, record_owner, release
+from dist_optim.engine._rule import reordering_refused
+from dist_optim.engine._stepper import Recipe
 from dist_optim._training_step import TrainingStep
 
 __all__: list[str] = []

@@ -9,6 +9,6 @@ if __name__ != "__main__":
     raise ImportError("dist_optim.plan is the command line (python -m dist_optim.plan); in Python call the function "
                       "dist_optim.plan(...), whose types are dist_optim.MemoryPlan and dist_optim.LoopPlan")
 
-from dist_optim._plan_cli import main
+from dist_optim._planner._cli import main
 
 main()

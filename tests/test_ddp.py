@@ -247,7 +247,7 @@ def test_ddp_equals_the_standard_loop(ranks, world, scenario, kwargs):
 def test_refuses_a_torch_without_the_used_map():
     from types import SimpleNamespace
 
-    from dist_optim._ddp import check_ddp
+    from dist_optim.parallel._ddp import check_ddp
 
     ddp = SimpleNamespace(find_unused_parameters=True, static_graph=False, reducer=object())
     with pytest.raises(NotImplementedError, match="no DDP reducer._get_local_used_map"):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import dist_optim
-from dist_optim._direct_steps import FusedAdamStep
+from dist_optim.engine._direct_steps import FusedAdamStep
 
 OPTIONS = {
     "AdamW": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),

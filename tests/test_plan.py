@@ -18,8 +18,8 @@ import dist_optim
 from benchmarks import bench_plan
 from launch.memory_peak import allocator_peak
 from dist_optim import plan
-from dist_optim._plan import CATEGORIES, Job
-from dist_optim._plan_cli import _hf_loss, main
+from dist_optim._planner._plan import CATEGORIES, Job
+from dist_optim._planner._cli import _hf_loss, main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 AGREEMENT = 0.10  # issue 25: planned within 10 % of measured, the saving too

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from benchmarks import bench_plan_layouts
 from benchmarks.bench_plan import _builders
 from dist_optim import plan
-from dist_optim._plan_cli import main
+from dist_optim._planner._cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 AGREEMENT = 0.10  # issue 25: planned within 10 % of measured, the saving too

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from benchmarks import bench_plan_pipeline
 from benchmarks.bench_plan import _builders
 from dist_optim import plan
-from dist_optim._plan_cli import main
-from dist_optim._plan_pipeline import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE
+from dist_optim._planner._cli import main
+from dist_optim._planner._pipeline import DEFAULT_MICROBATCHES, DEFAULT_SCHEDULE
 from launch import pipeline as launch_pipeline
 from launch.gpt import loss_fn
 from launch.pipeline import gpt_stage

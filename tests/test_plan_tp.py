@@ -13,7 +13,7 @@ import torch.distributed as dist
 from benchmarks import bench_plan_layouts
 from benchmarks.bench_plan import _builders
 from dist_optim import plan
-from dist_optim._plan_cli import main
+from dist_optim._planner._cli import main
 from launch.memory_peak import allocator_peak
 from launch.tensor_parallel import tensor_parallel
 from test_plan_layouts import AGREEMENT, FSDP2_BYTES, TINY_LLAMA, needs_ranks
@@ -73,8 +73,8 @@ def test_the_trace_holds_what_dtensor_redistributes_inside_an_operator():
     # runs; the trace runs DTensor's own dispatch, so it sees the local operators and that copy, not only the output
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from dist_optim._memory_trace import MemoryTrace
-    from dist_optim._plan_tp import fake_mesh
+    from dist_optim._planner._memory_trace import MemoryTrace
+    from dist_optim._planner._tp import fake_mesh
     from dist_optim._torch_internals import FakeTensorMode
 
     with fake_mesh((2,), ("tp",)) as mesh, FakeTensorMode():

@@ -84,7 +84,7 @@ def _check_engine_run_backward() -> None:
     name, file, roots = internals.ENGINE_RUN_BACKWARD
     code = _resolve(f"torch.autograd.graph.{name}").__code__
     assert code.co_filename.endswith(file) and roots in code.co_varnames[:code.co_argcount], (code, code.co_varnames)
-    from dist_optim._guards import backward_frames
+    from dist_optim.engine._guards import backward_frames
 
     seen = []
     x = torch.ones(2, requires_grad=True)
@@ -99,7 +99,7 @@ def _check_backward_function_apply() -> None:
     name, file = internals.BACKWARD_FUNCTION_APPLY
     code = getattr(_resolve("torch.autograd.function.BackwardCFunction"), name).__code__
     assert code.co_filename.endswith(file), code
-    from dist_optim._guards import backward_frames
+    from dist_optim.engine._guards import backward_frames
 
     seen = []
     layer = nn.Linear(2, 2)
@@ -110,7 +110,7 @@ def _check_backward_function_apply() -> None:
 
 
 def _check_forward_cls() -> None:
-    from dist_optim._guards import REENTRANT_CHECKPOINT
+    from dist_optim.engine._guards import REENTRANT_CHECKPOINT
 
     x = torch.ones(1, 2, requires_grad=True)
     out = torch.utils.checkpoint.checkpoint(nn.Linear(2, 2), x, use_reentrant=True)
@@ -248,7 +248,7 @@ def _check_fsdp_resized_tensors() -> None:
     # on torch's fake process group (2 ranks, this one rank 0), as the planner runs FSDP2
     from torch.distributed.fsdp import fully_shard
 
-    from dist_optim._plan_fsdp2 import fake_group
+    from dist_optim._planner._fsdp2 import fake_group
 
     with fake_group(2) as mesh:
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, bias=False))
@@ -270,7 +270,7 @@ def _check_fsdp_collective_ops() -> None:
     # what dist.all_gather_into_tensor and dist.reduce_scatter_tensor dispatch to, on torch's fake process group
     import torch.distributed as dist
 
-    from dist_optim._plan_fsdp2 import fake_group
+    from dist_optim._planner._fsdp2 import fake_group
 
     seen = []
 

@@ -351,7 +351,7 @@ def test_one_process_checkpoint_resumes_under_tp(ranks, tmp_path):
 def _control_local_partial_step(ctx) -> dict:
     """The fast path made to step ``grad._local_tensor`` whatever its placements (the code before issue 21): the
     norms' replicas drift apart and the comparison with the standard loop fails."""
-    from dist_optim import _stepper
+    from dist_optim.engine import _stepper
 
     mesh = init_device_mesh("cpu", (ctx.world,))
     original = _stepper.same_layout

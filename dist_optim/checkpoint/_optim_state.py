@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._inputs import is_dtensor
+from ..engine._inputs import is_dtensor
 from ..optimizer import InBackwardOptimizer
 from ._names import canonical_names
 from . import _ranks, _reshard, _subclass_state

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._inputs import is_dtensor
+from ..engine._inputs import is_dtensor
 
 __all__: list[str] = []
 

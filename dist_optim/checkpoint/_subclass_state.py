@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._inputs import is_dtensor
+from ..engine._inputs import is_dtensor
 from . import _reshard
 from ._storage import CheckpointError
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_optim._plan import LOOPS, NOT_SEEN, Job, LoopPlan, MemoryPlan, in_backward_kernel, loop_plan
+from dist_optim._planner._plan import LOOPS, NOT_SEEN, Job, LoopPlan, MemoryPlan, in_backward_kernel, loop_plan
 from dist_optim._torch_internals import (STAGE_WARMUP_RESULT, STAGE_WARMUP_VOTE, fake_store, stage_kept_outputs,
                                          stage_recv_buffers)
 
@@ -168,7 +168,7 @@ def _trace_stage(loop: str, rank: int, num_stages: int, model_fn: Callable[[], n
                  schedule: type, n_microbatches: int, optimizer_class: type[torch.optim.Optimizer],
                  optimizer_kwargs: dict[str, Any], engine: dict[str, Any]) -> tuple[LoopPlan, int, int]:
     """One loop's plan of stage ``rank``, its parameters and the bytes of its kept buffers (receive buffers)."""
-    from dist_optim._memory_trace import MemoryTrace
+    from dist_optim._planner._memory_trace import MemoryTrace
     from dist_optim._torch_internals import FakeTensorMode, tree_leaves
 
     def pipeline_batch() -> tuple[Any, Any]:  # n micro-batches, one tensor each: the schedule splits them again

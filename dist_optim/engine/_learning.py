@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dist_optim._buckets import Backward
-from dist_optim._guards import REENTRANT_CHECKPOINT
-from dist_optim._inputs import is_dtensor
+from dist_optim.engine._buckets import Backward
+from dist_optim.engine._guards import REENTRANT_CHECKPOINT
+from dist_optim.engine._inputs import is_dtensor
 from dist_optim._torch_internals import FORWARD_CLS, is_fake
 
 if TYPE_CHECKING:
-    from dist_optim._engine import Engine
+    from dist_optim.engine._engine import Engine
 
 __all__: list[str] = []
 

@@ -1,8 +1,8 @@
 """The in-backward engine: per-parameter hooks, buckets, and the one rule that settles a bucket (:meth:`Engine.settle`).
 
-Buckets are learned online in the first stepping backward (``dist_optim._learning``). Closed buckets settle when
+Buckets are learned online in the first stepping backward (``dist_optim.engine._learning``). Closed buckets settle when
 their last gradient arrives; whatever is left when backward ends is settled by a callback queued on the autograd
-engine. Parameters reach their engine through ``dist_optim._link``. The engine knows its owner (the training
+engine. Parameters reach their engine through ``dist_optim.engine._link``. The engine knows its owner (the training
 step's edges, ``dist_optim._training_step``) only through :class:`Owner`.
 """
 
@@ -15,19 +15,19 @@ from typing import Protocol
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from dist_optim._buckets import NO_TASK, OUTSIDE_BACKWARD, Backward, Bucket, Run
-from dist_optim._grad_policy import GradPolicy
-from dist_optim._guards import (
+from dist_optim.engine._buckets import NO_TASK, OUTSIDE_BACKWARD, Backward, Bucket, Run
+from dist_optim.engine._grad_policy import GradPolicy
+from dist_optim.engine._guards import (
     TWO_PASS_MESSAGE,
     backward_frames,
     compiled_autograd_message,
     guard_graph,
     refuse_nested_backward,
 )
-from dist_optim._inputs import is_dtensor
-from dist_optim._learning import Learner
-from dist_optim._link import LINK, Link, engine_of, grad_accumulated
-from dist_optim._stepper import InnerOptimizer, Recipe, step_inner_optimizers
+from dist_optim.engine._inputs import is_dtensor
+from dist_optim.engine._learning import Learner
+from dist_optim.engine._link import LINK, Link, engine_of, grad_accumulated
+from dist_optim.engine._stepper import InnerOptimizer, Recipe, step_inner_optimizers
 from dist_optim._torch_internals import POST_ACCUMULATE_GRAD_HOOKS, compiled_autograd_on
 from dist_optim._torch_internals import graph_task_id as _task_id
 from dist_optim._torch_internals import queue_callback as _queue_callback

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dist_optim._plan_layouts import Layout, check_backend
+from dist_optim._planner._layouts import Layout, check_backend
 
 __all__: list[str] = []
 
@@ -261,8 +261,8 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
                 loss_fn: Callable[[nn.Module, Any], torch.Tensor], optimizer_class: type[torch.optim.Optimizer],
                 optimizer_kwargs: dict[str, Any], engine_options: dict[str, Any],
                 autocast_dtype: torch.dtype | None, layout: Layout, mesh: Any) -> tuple[LoopPlan, int, str]:
-    from dist_optim._memory_trace import MemoryTrace
-    from dist_optim._plan_fsdp2 import local
+    from dist_optim._planner._memory_trace import MemoryTrace
+    from dist_optim._planner._fsdp2 import local
     from dist_optim._torch_internals import FakeTensorMode, fsdp_resized_tensors, tree_leaves
 
     micro = engine_options.get("accumulation_steps", 1)
@@ -319,7 +319,7 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
 def loop_plan(loop: str, trace: Any, start: int, model: nn.Module, job: Job) -> LoopPlan:
     """A traced loop's plan: its peak split into CATEGORIES (``model``'s parameters and buffers, ``job``'s optimizer
     state, the blocks that were a ``.grad``, those made in the forward, the rest)."""
-    from dist_optim._plan_fsdp2 import local
+    from dist_optim._planner._fsdp2 import local
 
     # ids of blocks alive now (and so unique): the parameters' and the optimizer state's
     params = {id(trace.block_of(local(t))) for t in [*model.parameters(), *model.buffers()]} - {id(None)}
@@ -444,7 +444,7 @@ def plan(
     engine = dict(bucket_cap_mb=bucket_cap_mb, per_parameter=per_parameter, accumulation_steps=accumulation_steps,
                   max_grad_norm=max_grad_norm, clip_mode=clip_mode, track_grad_norm=track_grad_norm)
     if parallel == "pp":
-        from dist_optim._plan_pipeline import plan_pipeline
+        from dist_optim._planner._pipeline import plan_pipeline
 
         check_backend(parallel, backend)
         p = plan_pipeline(model_fn, batch_fn, loss_fn, optimizer_class, world_size=world_size,

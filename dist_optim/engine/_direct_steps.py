@@ -2,7 +2,7 @@
 per-tensor Python work the result does not depend on: torch's fused Adam/AdamW (``_init_group``), and torchao 0.11's
 Adam classes (a ``torch.compile`` wrapper built per tensor and call). Each states its precondition, checks it, and
 takes the class's own step where it does not hold; each is bitwise that step (tests/test_fused_adam_step.py,
-tests/test_torchao_step.py). :meth:`dist_optim._stepper.Recipe.build` chooses them.
+tests/test_torchao_step.py). :meth:`dist_optim.engine._stepper.Recipe.build` chooses them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``python -m dist_optim.plan``: the memory planner's command line (a Hugging Face ``config.json`` or a builder by
-name; the table, JSON or a picture). The planner itself is ``dist_optim._plan``.
+name; the table, JSON or a picture). The planner itself is ``dist_optim._planner._plan``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dist_optim._plan import CLIP_MODES, MemoryPlan, plan
-from dist_optim._plan_fsdp2 import BACKENDS
-from dist_optim._plan_layouts import NOT_PLANNED, PARALLEL
+from dist_optim._planner._plan import CLIP_MODES, MemoryPlan, plan
+from dist_optim._planner._fsdp2 import BACKENDS
+from dist_optim._planner._layouts import NOT_PLANNED, PARALLEL
 
 __all__: list[str] = []
 
@@ -148,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> MemoryPlan:
         if not args.pp_stage_fn:
             raise SystemExit("--parallel pp needs --pp-stage-fn MODULE:CALLABLE, fn(model, stage_index, num_stages) "
                              "-> the stage's module (e.g. launch.pipeline:gpt_stage for --model launch.gpt:GPT)")
-        from dist_optim._plan_pipeline import schedule_class
+        from dist_optim._planner._pipeline import schedule_class
 
         try:
             schedule_class(args.pp_schedule)

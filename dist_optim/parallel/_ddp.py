@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_optim._engine import Engine
+from dist_optim.engine._engine import Engine
 from dist_optim._torch_internals import ddp_rebuilt_buckets, has_local_used_map, local_used_map, skip_grad_writeback
 
 __all__: list[str] = []
@@ -85,7 +85,7 @@ class _Reduction(NamedTuple):
 class DDPCommHook:
     """Registered on the DDP model with ``register_comm_hook`` by :meth:`attach`; an optional inner hook (e.g.
     torch's ``bf16_compress_hook``) does the reduction, then the engine settles the bucket. It is the engine's
-    :class:`~dist_optim._engine.Reductions`."""
+    :class:`~dist_optim.engine._engine.Reductions`."""
 
     def __init__(self, ddp: nn.parallel.DistributedDataParallel, inner: Callable | None, inner_state: Any) -> None:
         self.engine: Engine | None = None  # the engine it drives, from attach() on

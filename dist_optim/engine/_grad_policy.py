@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from dist_optim._inputs import is_dtensor
-from dist_optim._options import InBackwardOptions
+from dist_optim.engine._inputs import is_dtensor
+from dist_optim.engine._options import InBackwardOptions
 from dist_optim._torch_internals import (
     amp_unscale_,
     foreach_norm,

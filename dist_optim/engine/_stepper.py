@@ -19,9 +19,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from dist_optim._inputs import is_dtensor
-from dist_optim._rule import check_bucketable, is_torch_step, no_rng
-from dist_optim._direct_steps import (
+from dist_optim.engine._inputs import is_dtensor
+from dist_optim.engine._rule import check_bucketable, is_torch_step, no_rng
+from dist_optim.engine._direct_steps import (
     FUSED_ADAM,
     FusedAdamStep,
     TorchaoAdamStep,
@@ -78,7 +78,7 @@ def step_inner_optimizers(inners: list[InnerOptimizer], started: dict[int, dict[
     facade's values and writes what the class wrote back into the facade group; every later bucket of that group
     steps on the values from before the step, as the standard loop's single ``step()`` call sees them for all of
     the group's tensors, so a counter the class advances per call advances once per training step. That the
-    class writes the same values whichever tensors it stepped is what :func:`dist_optim._rule.check_bucketable`
+    class writes the same values whichever tensors it stepped is what :func:`dist_optim.engine._rule.check_bucketable`
     checked at construction.
     """
     for inner in inners:
@@ -155,7 +155,7 @@ class Recipe:
             return dict(self.optimizer_class(mine, **self.kwargs).defaults)
 
     def check(self, cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> None:
-        """Refuse a group ``cls`` cannot step one bucket at a time (:func:`dist_optim._rule.check_bucketable`)."""
+        """Refuse a group ``cls`` cannot step one bucket at a time (:func:`dist_optim.engine._rule.check_bucketable`)."""
         one_step = self.one_step and not any(is_dtensor(p) for p in group["params"])
         check_bucketable(cls, group, self.kwargs_for(cls), one_step, self.random_draws, self.reordering_refused)
 

@@ -6,8 +6,8 @@ import enum
 
 import torch
 
-from dist_optim._grad_policy import GradPolicy
-from dist_optim._stepper import InnerOptimizer
+from dist_optim.engine._grad_policy import GradPolicy
+from dist_optim.engine._stepper import InnerOptimizer
 
 __all__: list[str] = []
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dist_optim._inputs import is_dtensor
+from dist_optim.engine._inputs import is_dtensor
 from dist_optim._torch_internals import LR_SCHEDULER_STEP_MARK
 
 __all__: list[str] = []
@@ -173,7 +173,7 @@ def reordering_refused(ddp: Any) -> str | None:
         return ("with DDP(find_unused_parameters=True) or static_graph=True, a bucket holding a parameter unused "
                 "on one rank is stepped after the others on that rank only. Use DDP without them, or a standard "
                 "training loop")
-    from dist_optim._ddp import ddp_managed
+    from dist_optim.parallel._ddp import ddp_managed
 
     managed = ddp_managed(ddp)
     ignored = [n for n, p in ddp.module.named_parameters() if p.requires_grad and id(p) not in managed]
@@ -199,7 +199,7 @@ def _compare(cls: type[torch.optim.Optimizer], group: dict[str, Any], kwargs: di
     standard step bitwise too (a tensor's step depends on its own gradient and state and on the streams'
     position, nothing else). The plain per-bucket run must also leave the streams where the standard loop does
     (the same number of draws)."""
-    from dist_optim._stepper import hyperparameters, unwrapped_step
+    from dist_optim.engine._stepper import hyperparameters, unwrapped_step
 
     options = hyperparameters(group)
     shapes = [_probe_shape(like[k % len(like)]) for k in range(PROBE_TENSORS)]
@@ -284,7 +284,7 @@ class _PerTensor:
 
     def __init__(self, cls: type[torch.optim.Optimizer], options: dict[str, Any], kwargs: dict[str, Any],
                  params: list[torch.Tensor], defaults: dict[str, Any], modes: list[str], order: list[int]) -> None:
-        from dist_optim._stepper import Recipe
+        from dist_optim.engine._stepper import Recipe
 
         self.cls, self.params, self.defaults, self.modes, self.order = cls, params, defaults, modes, order
         built = cls([{**options, "params": params}], **kwargs)  # as add_param_group fills a group
@@ -298,7 +298,7 @@ class _PerTensor:
             switch_mode(cls, "train", self.owner.param_groups, self.owner.state, defaults)
 
     def step(self, step_grads: list[torch.Tensor], kind: torch.Tensor, before: Callable[[int], None]) -> None:
-        from dist_optim._stepper import step_inner_optimizers
+        from dist_optim.engine._stepper import step_inner_optimizers
 
         for p, g in zip(self.params, step_grads):
             p.grad = _as_kind(g.clone(), kind)
@@ -326,7 +326,7 @@ class _PerTensor:
         diff = _differs(extra_ref, extra)
         if diff:
             return f"it keeps state {diff!r} outside its tensors' entries, which advances once per bucket"
-        from dist_optim._stepper import hyperparameters
+        from dist_optim.engine._stepper import hyperparameters
 
         diff = _differs(hyperparameters(ref.param_groups[0]), hyperparameters(self.group))
         if diff:

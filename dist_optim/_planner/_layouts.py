@@ -68,7 +68,7 @@ class Layout:
         allocates nothing, measured)."""
         if self.parallel not in _FSDP2:
             return None
-        from dist_optim._plan_fsdp2 import collective_buffers
+        from dist_optim._planner._fsdp2 import collective_buffers
 
         return collective_buffers(self.backend)
 
@@ -79,7 +79,7 @@ class Layout:
         if self.parallel == "ddp":
             out.update(ddp_bucket_cap_mb=self.ddp_bucket_cap_mb, gradient_as_bucket_view=self.gradient_as_bucket_view)
         if self.parallel in _MESHED:
-            from dist_optim._plan_tp import mesh_shape
+            from dist_optim._planner._tp import mesh_shape
 
             shape, names = mesh_shape(self.parallel, self.world_size, self.tp_size, self.shard_size)
             out.update(mesh=dict(zip(names, shape)))
@@ -105,7 +105,7 @@ class Layout:
             raise RuntimeError(f"plan(parallel={self.parallel!r}) runs without a real process group; call it in a "
                                "process that has not initialized one")
         if self.parallel in _MESHED:
-            from dist_optim._plan_tp import check
+            from dist_optim._planner._tp import check
 
             check(self.parallel, self.world_size, self.tp_size, self.shard_size, self.parallelize, engine)
 
@@ -114,7 +114,7 @@ class Layout:
         """FSDP2, TP, FSDP2 x TP, HSDP: torch's fake process group of ``world_size`` ranks and a mesh over it, for
         the planning's duration (``None`` for the other layouts)."""
         if self.parallel in _MESHED:
-            from dist_optim._plan_tp import fake_mesh, mesh_shape
+            from dist_optim._planner._tp import fake_mesh, mesh_shape
 
             with fake_mesh(*mesh_shape(self.parallel, self.world_size, self.tp_size, self.shard_size)) as mesh:
                 yield mesh
@@ -122,7 +122,7 @@ class Layout:
         if self.parallel != "fsdp2":
             yield None
             return
-        from dist_optim._plan_fsdp2 import fake_group
+        from dist_optim._planner._fsdp2 import fake_group
 
         with fake_group(self.world_size) as mesh:
             yield mesh
@@ -131,11 +131,11 @@ class Layout:
         if self.parallel == "ddp":
             return PlannedDDP(model, self.world_size, self.ddp_bucket_cap_mb, self.gradient_as_bucket_view)
         if self.parallel == "fsdp2":
-            from dist_optim._plan_fsdp2 import shard
+            from dist_optim._planner._fsdp2 import shard
 
             return shard(model, mesh, self.fsdp_units)
         if self.parallel in _MESHED:
-            from dist_optim._plan_tp import wrap
+            from dist_optim._planner._tp import wrap
 
             return wrap(model, mesh, self.parallel, self.parallelize, self.fsdp_units)
         return model
@@ -143,7 +143,7 @@ class Layout:
     def inside_fake_mode(self) -> contextlib.AbstractContextManager[Any]:
         """Entered above ``FakeTensorMode`` for the planning: a device mesh's real tensors run outside it."""
         if self.parallel in _MESHED:
-            from dist_optim._plan_tp import RealMeshOps
+            from dist_optim._planner._tp import RealMeshOps
 
             return RealMeshOps()
         return contextlib.nullcontext()
@@ -155,11 +155,11 @@ class Layout:
     def not_seen(self) -> tuple[str, ...]:
         """What a rank of this layout holds that the plan cannot see, with its size where it was measured."""
         if self.parallel == "tp":
-            from dist_optim._plan_tp import NOT_SEEN
+            from dist_optim._planner._tp import NOT_SEEN
 
             return NOT_SEEN
         if self.parallel in _FSDP2:
-            from dist_optim._plan_fsdp2 import not_seen
+            from dist_optim._planner._fsdp2 import not_seen
 
             return not_seen(self.backend)
         if self.parallel != "ddp":
@@ -172,7 +172,7 @@ class Layout:
             return "one process"
         out = f"per rank, {self.parallel} on {self.world_size} ranks"
         if self.parallel in ("fsdp2+tp", "hsdp"):
-            from dist_optim._plan_tp import mesh_shape
+            from dist_optim._planner._tp import mesh_shape
 
             shape, names = mesh_shape(self.parallel, self.world_size, self.tp_size, self.shard_size)
             out += f" ({' x '.join(f'{n} {k}' for n, k in zip(names, shape))})"
@@ -181,7 +181,7 @@ class Layout:
 
 def check_backend(parallel: str, backend: str | None) -> None:
     """``backend`` is one the planner knows, given for a layout with ranks."""
-    from dist_optim._plan_fsdp2 import BACKENDS
+    from dist_optim._planner._fsdp2 import BACKENDS
 
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None (gloo on CPU, NCCL on CUDA), got {backend!r}")

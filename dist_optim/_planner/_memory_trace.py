@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from dist_optim._inputs import _DTENSOR, is_dtensor
+from dist_optim.engine._inputs import _DTENSOR, is_dtensor
 from dist_optim._torch_internals import TorchDispatchMode, tree_iter
 
 __all__: list[str] = []

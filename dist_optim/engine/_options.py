@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dist_optim._inputs import is_dtensor
+from dist_optim.engine._inputs import is_dtensor
 
 __all__ = ["InBackwardOptions"]
 

@@ -97,7 +97,7 @@ def fake_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Iterator[Any]:
 def wrap(model: nn.Module, mesh: Any, parallel: str, parallelize: Callable[[nn.Module, Any], Any] | None,
          units: Callable[[nn.Module], list[nn.Module]] | None) -> nn.Module:
     """``model`` laid out as ``parallel`` on ``mesh``: the tensor-parallel plan, then FSDP2 where the layout has it."""
-    from dist_optim._plan_fsdp2 import shard
+    from dist_optim._planner._fsdp2 import shard
 
     if parallel in TENSOR_PARALLEL:
         assert parallelize is not None
