@@ -19,7 +19,7 @@ from dist_optim import _torch_internals as internals
 
 __all__: list[str] = []
 
-logger = logging.getLogger("dist_optim.optimizer")
+logger = logging.getLogger(__name__)
 
 
 NOT_GIVEN: Any = object()  # InBackwardOptimizer's params and optimizer_class are required; a clear error says so
