@@ -18,7 +18,6 @@ from dist_optim._torch_internals import POST_ACCUMULATE_GRAD_HOOKS, compiled_aut
 from dist_optim._torch_internals import graph_task_id as _task_id
 from dist_optim._torch_internals import queue_callback as _queue_callback
 from dist_optim.engine._buckets import NO_TASK, OUTSIDE_BACKWARD, Backward, Bucket, Owner, Reductions, Run
-from dist_optim.engine._grad_policy import GradPolicy
 from dist_optim.engine._guards import (
     TWO_PASS_MESSAGE,
     backward_frames,
