@@ -225,8 +225,8 @@ def bench_config(name: str, args: Any, device: torch.device, timed: bool) -> dic
     std = loops["standard"]
     n = sum(p.numel() for p in std.params)
     keep: list[torch.Tensor] = []
-    activations = h.allocator_peak(lambda: keep.append(std.loss()), device)["net_bytes"]
-    del keep  # noqa: F821 (the lambda ran before: ruff reads the later reference as undefined)
+    activations = h.allocator_peak(lambda: keep.append(std.loss()), device)["net_bytes"]  # noqa: F821 (keep is deleted after the call)
+    del keep
     for m in memory.values():
         m["bytes_per_param"] = (m["persistent_bytes"] + m["step_peak_bytes"] - activations) / n
         m["bytes_per_param_with_activations"] = (m["persistent_bytes"] + m["step_peak_bytes"]) / n
