@@ -244,7 +244,7 @@ class _PerTensor:
         self.owner = types.SimpleNamespace(param_groups=[self.group], state=defaultdict(dict))
         self.owner.state.update(built.state)  # state some classes create at construction
         recipe = Recipe(self.owner, cls, kwargs)  # type: ignore[arg-type]
-        recipe.classes, recipe.kernels = [cls], [{}]
+        recipe.classes, recipe.kernels, recipe.watch_draws = [cls], [{}], False
         self.buckets = [recipe.build([(0, False, [params[k]])]) for k in order]
         if "train" in modes:
             switch_mode(cls, "train", self.owner.param_groups, self.owner.state, defaults)

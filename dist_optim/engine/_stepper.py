@@ -20,7 +20,13 @@ from typing import Any, NamedTuple
 import torch
 
 from dist_optim._torch_internals import LOCAL_TENSOR, local_tensor
-from dist_optim.engine._classes import check_takes_params, hyperparameters, is_torch_step, no_rng, unwrapped_step
+from dist_optim.engine._classes import (
+    check_takes_params,
+    hyperparameters,
+    is_torch_step,
+    no_rng,
+    unwrapped_step,
+)
 from dist_optim.engine._direct_steps import (
     FUSED_ADAM,
     FusedAdamStep,
@@ -29,6 +35,7 @@ from dist_optim.engine._direct_steps import (
     torchao_adam_function,
     torchao_version,
 )
+from dist_optim.engine._draws import DrawWatch
 from dist_optim.engine._inputs import is_dtensor
 
 __all__: list[str] = []
@@ -56,6 +63,13 @@ class InnerOptimizer(NamedTuple):
     step: Callable[[torch.optim.Optimizer], Any]  # its unwrapped step, or that step run on local shards
     groups: list[GroupLink]
     carries: bool = True  # whether its class may write into its groups (torch's own step writes nothing)
+    draws: DrawWatch | None = None  # refuses a draw from the global generators the probe did not see
+
+    def run(self) -> None:
+        if self.draws is None:
+            self.step(self.optimizer)
+        else:
+            self.draws.run(self.step, self.optimizer)
 
 
 def step_inner_optimizers(inners: list[InnerOptimizer], started: dict[int, dict[str, Any]]) -> None:
@@ -75,7 +89,7 @@ def step_inner_optimizers(inners: list[InnerOptimizer], started: dict[int, dict[
             for link in inner.groups:
                 link.inner.update(link.facade)
                 link.inner.update(link.fixed)
-            inner.step(inner.optimizer)
+            inner.run()
             continue
         first = []
         for link in inner.groups:
@@ -86,7 +100,7 @@ def step_inner_optimizers(inners: list[InnerOptimizer], started: dict[int, dict[
                 first.append(link)
             else:
                 _mirror(link.inner, _snapshot(before), link.fixed)
-        inner.step(inner.optimizer)
+        inner.run()
         for link in first:
             for k, v in link.inner.items():
                 if k not in link.fixed:
@@ -124,6 +138,7 @@ class Recipe:
         self.one_step = False  # every training step is one call per class over all its groups (one bucket)
         self.random_draws = "exact"  # InBackwardOptions.random_draws: "reordered" accepts draws reordered per bucket
         self.reordering_refused: str | None = None  # why this setting cannot reorder draws (DDP's; None: it can)
+        self.watch_draws = True  # False for the probe's own recipes, whose runs compare the draws themselves
         self.started: dict[int, dict[str, Any]] = {}  # this training step: id(facade group) -> its options before
 
     def kwargs_for(self, cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
@@ -143,6 +158,12 @@ class Recipe:
                     raise  # torch's classes build on any tensor: the error is the user's options'
             mine = [g for g in groups if not (isinstance(g, dict) and "optimizer_class" in g)]
             return dict(self.optimizer_class(mine, **self.kwargs).defaults)
+
+    def watches_draws(self, cls: type[torch.optim.Optimizer]) -> bool:
+        """Whether ``cls``'s bucket steps are watched for random draws (:mod:`dist_optim.engine._draws`): a class
+        torch does not ship, stepped in buckets, whose draws this setting may not reorder."""
+        reorders = self.random_draws != "exact" and self.reordering_refused is None
+        return self.watch_draws and not (is_torch_step(cls) or self.one_step or reorders)
 
     def fill(self, cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> torch.optim.Optimizer:
         """An optimizer over ``group`` alone: ``cls`` fills in its defaults and checks its options and tensors."""
@@ -201,7 +222,9 @@ class Recipe:
                 step = FusedAdamStep(step, cls is torch.optim.AdamW, optimizer)
             elif (function := torchao_adam_function(cls, torchao_version())) is not None:
                 step = TorchaoAdamStep(step, function)
-            inners.append(InnerOptimizer(optimizer, step, links, not is_torch_step(cls)))
+            draws = DrawWatch(cls, self.reordering_refused if self.random_draws != "exact" else None) \
+                if self.watches_draws(cls) else None
+            inners.append(InnerOptimizer(optimizer, step, links, not is_torch_step(cls), draws))
         return inners
 
 
