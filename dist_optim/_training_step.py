@@ -49,8 +49,8 @@ class Facade(Protocol):
 class TrainingStep:
     """One optimizer's training-step edges (the engine's owner); ``opt`` is the facade it serves."""
 
-    def __init__(self, opt: Facade, options: InBackwardOptions,
-                 frozen: list[tuple[str, weakref.ref]], fsdp_units: list[Any] | None) -> None:
+    def __init__(self, opt: Facade, options: InBackwardOptions, frozen: list[tuple[str, weakref.ref]],
+                 fsdp_units: list[Any] | None, module: torch.nn.Module | None = None) -> None:
         self.opt = opt
         self.options = options
         self.policy = GradPolicy(options)
@@ -61,6 +61,10 @@ class TrainingStep:
         # so that the optimizer keeps no more of the model alive than its own parameters.
         self.frozen = frozen
         self.fsdp_units = fsdp_units  # FSDP2 units, whose accumulated unsharded gradients two_pass must see
+        # the model the optimizer was built from (weakly): two_pass restores the running statistics that the
+        # measuring pass's recomputed forward (activation checkpointing) updates
+        self.module = weakref.ref(module) if module is not None else None
+        self.warned_side_effects = False
         self.framework_watch = Watch()  # a framework that clips or accumulates after backward: refused
         self.bucket_step_hooks: dict[int, Callable[[Any, list[torch.Tensor]], None]] = OrderedDict()
         # plain tensors were accepted in a single process: every backward checks that no multi-rank group has
@@ -202,10 +206,23 @@ class TrainingStep:
             )
         before = self.engine.backward
         self.measuring = True
+        buffers = ForwardBuffers(self.module() if self.module is not None else None)
         try:
             self._backward_in_phase("measure", loss, gradient, True)
         finally:
             self.measuring = False
+            changed = buffers.restore()
+        if changed and not self.warned_side_effects:
+            self.warned_side_effects = True
+            warnings.warn(
+                f"clip_mode='two_pass': the measuring backward changed the buffers {changed[:3]}"
+                f"{f' and {len(changed) - 3} more' if len(changed) > 3 else ''} (a forward recomputed under "
+                "activation checkpointing ran their module's side effect once more than the standard loop does), "
+                "and they are not running statistics it knows how to restore. See docs/clipping.md, 'What the "
+                "measuring pass runs twice'",
+                UserWarning,
+                stacklevel=4,
+            )
         if self.engine.backward is before:
             return  # no gradient hook ran (an FSDP2 backward without gradient sync): it only accumulated
         if not policy.finish_measure():  # skipped, as scaler.step(opt) or nonfinite="skip" skip it
@@ -279,3 +296,28 @@ class TrainingStep:
         """After ``opt.remove()``: ``step()`` is the step from now on."""
         self.stepping_backwards = 0
 
+
+class ForwardBuffers:
+    """The buffers of ``module`` as they were before a measuring backward. A forward recomputed in it (activation
+    checkpointing) runs its modules once more than the standard loop: the running statistics of normalisation
+    layers in training mode (``running_mean``, ``running_var``, ``num_batches_tracked``) are copied back after it;
+    any other buffer it changed is reported by name."""
+
+    def __init__(self, module: torch.nn.Module | None) -> None:
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.versions: dict[str, tuple[torch.Tensor, int]] = {}
+        if module is None:
+            return
+        stats: set[int] = set()
+        for m in module.modules():
+            if m.training and getattr(m, "track_running_stats", False):
+                for b in m.buffers(recurse=False):
+                    self.kept.append((b, b.clone()))
+                    stats.add(id(b))
+        self.versions = {n: (b, b._version) for n, b in module.named_buffers() if id(b) not in stats}
+
+    def restore(self) -> list[str]:
+        """Copy the running statistics back; the names of the other buffers that changed."""
+        for b, saved in self.kept:
+            b.copy_(saved)
+        return [n for n, (b, version) in self.versions.items() if b._version != version]

@@ -179,7 +179,7 @@ class InBackwardOptimizer(OptionsAndTelemetry, torch.optim.Optimizer):
             frozen = [(name, weakref.ref(p)) for name, p in module.named_parameters()
                       if not p.requires_grad] if module is not None else []
             edges = self._edges = TrainingStep(self, options, frozen,
-                                               fsdp_units(module) if module is not None else None)
+                                               fsdp_units(module) if module is not None else None, module)
             if module is not None:
                 check_sparse_modules(module, optimizer_class)
             self._build(ddp, groups, optimizer_class, optimizer_kwargs, options, edges, grad_norm_order,

@@ -256,3 +256,64 @@ def test_two_pass_over_dtensors_given_as_tensors_is_refused_before_anything_runs
     # without the model the optimizer cannot see the gradients FSDP2 accumulates without sync, which the
     # measuring pass would have to keep out of its norm
     ranks.run(2, _dtensors_given_as_tensors)
+
+
+class _NormBlocks(nn.Module):
+    """Blocks of Linear + BatchNorm1d (running statistics in train mode), each under non-reentrant checkpointing;
+    ``counter`` a buffer of another kind that each block's forward bumps."""
+
+    def __init__(self, counter: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(6, 1)
+        self.counter = counter
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def _block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.counter:
+            self.calls.add_(1)
+        return block(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(self._block, block, x, use_reentrant=False)
+        return self.head(x).square().mean()
+
+
+def test_two_pass_under_checkpointing_leaves_the_running_statistics_as_the_standard_loop():
+    torch.manual_seed(0)
+    model = _NormBlocks()
+    ref = _NormBlocks()
+    ref.load_state_dict(model.state_dict())
+    opt = InBackwardOptimizer(model, torch.optim.AdamW, lr=1e-2, max_grad_norm=0.1, clip_mode="two_pass",
+                              bucket_cap_mb=1e-4)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for step in range(4):
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
+        ref(x).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # running statistics are restored: nothing to say
+            opt.backward(model(x))
+    assert_same_params(model, ref)
+    for (name, a), (_, b) in zip(model.named_buffers(), ref.named_buffers()):
+        assert torch.equal(a, b), name  # num_batches_tracked 8, not 12; running_mean and running_var the same
+    assert int(model.blocks[0][1].num_batches_tracked) == 8  # a forward and a recompute per step
+    model.eval(), ref.eval()
+    x = torch.randn(5, 6)
+    assert torch.equal(model(x), ref(x))  # evaluation with the trained model is the standard loop's
+
+
+def test_two_pass_names_a_buffer_its_measuring_pass_changed_and_cannot_restore():
+    torch.manual_seed(0)
+    model = _NormBlocks(counter=True)
+    opt = InBackwardOptimizer(model, torch.optim.SGD, lr=1e-2, max_grad_norm=0.1, clip_mode="two_pass")
+    with pytest.warns(UserWarning, match=r"the measuring backward changed the buffers \['calls'\].*recomputed under "
+                                         r"activation checkpointing"):
+        opt.backward(model(torch.randn(8, 6)))
+    assert int(model.calls) == 9  # forward, measuring recompute, stepping recompute: 3 blocks each
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        opt.backward(model(torch.randn(8, 6)))
