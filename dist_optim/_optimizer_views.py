@@ -56,6 +56,12 @@ class OptionsAndTelemetry:
         return self._edges.micro_batches
 
     @property
+    def grad_bytes(self) -> int:
+        """The bytes of all the gradients this optimizer steps (on this rank: local shards under FSDP2), the figure
+        :attr:`StepStats.grad_bytes_peak` is compared with."""
+        return sum(self._engine.nbytes)
+
+    @property
     def last_step(self) -> StepStats:
         """Telemetry of the last training step: grad norm, tensors stepped and skipped, overflow, step time."""
         return self._edges.policy.stats
@@ -171,6 +177,7 @@ class OptionsAndTelemetry:
         self._edges.reconfigure(options)
         self._norm_order = order
         self._rank_norms()
+        self._saving.check(options, self.grad_bytes)
         return options
 
     def set_grad_multiplier(self, multiplier: float | torch.Tensor | None) -> None:

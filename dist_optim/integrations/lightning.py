@@ -19,6 +19,20 @@ from dist_optim.optimizer import InBackwardOptimizer
 
 __all__ = ["InBackwardCallback", "TwoPassBackward"]
 
+# what cancels the memory saving, in the Trainer's terms (dist_optim/engine/_saving.py has the engine's)
+LIGHTNING_TERMS = {
+    "accumulation": (
+        "Trainer(accumulate_grad_batches={n}) (every gradient stays in .grad across the {n} batches)",
+        "accumulate_grad_batches=1 and a DataLoader batch {n}x larger, with activation checkpointing in the module",
+    ),
+    "exact_clip": (
+        "Trainer(gradient_clip_val={n}) with an optimizer built with clip_mode='exact' (the global norm needs "
+        "every gradient before the first step)",
+        "InBackwardOptimizer(..., clip_mode='two_pass') and the module derived from "
+        "dist_optim.integrations.lightning.TwoPassBackward (one more backward)",
+    ),
+}
+
 
 @register_adapter
 class InBackwardCallback(Callback):
@@ -64,6 +78,7 @@ class InBackwardCallback(Callback):
         algorithm = trainer.gradient_clip_algorithm
         algorithm = "norm" if algorithm is None else str(getattr(algorithm, "value", algorithm))
         for opt in opts:
+            opt._saving.speak_as("InBackwardCallback", LIGHTNING_TERMS, trainer.accumulate_grad_batches)
             opt.configure_clipping(**clipping_options(trainer.gradient_clip_val, algorithm, opt))
         if any(opt.clip_mode == "two_pass" and opt.max_grad_norm is not None for opt in opts) and not isinstance(
                 pl_module, TwoPassBackward):

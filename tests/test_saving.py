@@ -1,0 +1,125 @@
+"""The settings that hold every gradient of a step warn once, at construction or when the clipping changes, naming
+the setting and what keeps the saving; the settings that keep it stay silent; ``last_step.grad_bytes_saved`` is the
+model's gradient bytes minus the step's peak, measured on real backwards against the standard loop's gradients."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+
+import dist_optim
+
+CAP_MB = 0.25  # one Linear(256, 256) per bucket: 8 buckets
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+
+
+def one_step(m: torch.nn.Module, opt: dist_optim.InBackwardOptimizer, micro_batches: int = 1) -> None:
+    for k in range(micro_batches):
+        loss = m(torch.randn(4, 256, generator=torch.Generator().manual_seed(k))).square().mean()
+        opt.backward(loss) if opt.clip_mode == "two_pass" and opt.max_grad_norm else loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def grad_bytes(m: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in m.parameters())
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    (dict(accumulation_steps=4), r"accumulation_steps=4 .*micro-batch 4x larger with activation checkpointing"),
+    (dict(max_grad_norm=1.0), r"max_grad_norm=1.0 with clip_mode='exact'.*clip_mode='two_pass'"),
+    (dict(bucket_cap_mb=float("inf")), r"bucket_cap_mb=inf covers all.*a bucket_cap_mb below"),
+    (dict(bucket_cap_mb=64), r"bucket_cap_mb=64 covers all"),
+])
+def test_a_setting_that_holds_every_gradient_warns_once_and_saves_nothing(options, match):
+    m = model()
+    total = f"{grad_bytes(m) / 2**20:.2f} MiB"  # 2.01
+    with pytest.warns(UserWarning, match=rf"holds every gradient of the step \({total} of the model's {total}\)"
+                      r", so stepping in backward saves no gradient memory") as record:
+        opt = dist_optim.InBackwardOptimizer(m, torch.optim.AdamW, lr=1e-3, **{"bucket_cap_mb": CAP_MB, **options})
+    assert sum("saves no gradient memory" in str(w.message) for w in record) == 1
+    assert any(re.search(match, str(w.message), re.S) for w in record)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*saves no gradient memory")  # once: not again at the steps
+        for _ in range(2):
+            one_step(m, opt, options.get("accumulation_steps", 1))
+    assert opt.last_step.grad_bytes_peak == opt.grad_bytes == grad_bytes(m)
+    assert opt.last_step.grad_bytes_saved == 0
+
+
+@pytest.mark.parametrize("options", [
+    dict(), dict(max_grad_norm=1.0, clip_mode="two_pass"), dict(max_grad_norm=1.0, clip_mode="per_parameter"),
+    dict(max_grad_norm=1.0, clip_mode="previous_norm"), dict(per_parameter=True, bucket_cap_mb=float("inf")),
+    dict(track_grad_norm=True, max_grad_value=0.1),
+])
+def test_a_setting_that_keeps_the_saving_does_not_warn(options):
+    m = model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = dist_optim.InBackwardOptimizer(m, torch.optim.AdamW, lr=1e-3, **{"bucket_cap_mb": CAP_MB, **options})
+        for _ in range(2):
+            one_step(m, opt)
+    largest = 256 * 256 * 4 + 256 * 4  # one Linear: a bucket
+    stats = opt.last_step
+    assert stats.grad_bytes_peak <= largest
+    assert stats.grad_bytes_saved == grad_bytes(m) - stats.grad_bytes_peak >= grad_bytes(m) - largest
+
+
+def test_exact_clipping_set_later_warns_then_and_only_once():
+    m = model()
+    opt = dist_optim.InBackwardOptimizer(m, torch.optim.AdamW, lr=1e-3, bucket_cap_mb=CAP_MB)
+    one_step(m, opt)
+    assert opt.last_step.grad_bytes_saved > 0
+    with pytest.warns(UserWarning, match=r"max_grad_norm=0.5 with clip_mode='exact'") as record:
+        opt.configure_clipping(max_grad_norm=0.5)
+    assert len([w for w in record if "saves no gradient memory" in str(w.message)]) == 1
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*saves no gradient memory")
+        opt.configure_clipping(max_grad_norm=1.0)
+        one_step(m, opt)
+    assert opt.last_step.grad_bytes_saved == 0
+    opt.configure_clipping(clip_mode="two_pass")
+    one_step(m, opt)
+    assert opt.last_step.grad_bytes_saved > 0
+
+
+def test_several_causes_are_one_warning():
+    with pytest.warns(UserWarning, match=r"accumulation_steps=2.*\n- max_grad_norm=1.0") as record:
+        dist_optim.InBackwardOptimizer(model(), torch.optim.AdamW, lr=1e-3, bucket_cap_mb=CAP_MB,
+                                       accumulation_steps=2, max_grad_norm=1.0)
+    assert len([w for w in record if "saves no gradient memory" in str(w.message)]) == 1
+
+
+def test_a_standard_step_reports_no_saving():
+    m = model()
+    opt = dist_optim.InBackwardOptimizer(m, torch.optim.AdamW, lr=1e-3, bucket_cap_mb=CAP_MB)
+    with opt.no_step():
+        m(torch.randn(4, 256)).sum().backward()
+    opt.step()
+    assert opt.last_step.grad_bytes_saved == 0
+
+
+def test_a_grad_scaler_s_exact_overflow_warns_and_per_bucket_does_not():
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with pytest.warns(UserWarning, match=r"a grad_scaler with overflow='exact'.*overflow='per_bucket'"):
+        dist_optim.InBackwardOptimizer(model(), torch.optim.AdamW, lr=1e-3, bucket_cap_mb=CAP_MB, grad_scaler=scaler)
+    m = model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = dist_optim.InBackwardOptimizer(m, torch.optim.AdamW, lr=1e-3, bucket_cap_mb=CAP_MB, grad_scaler=scaler,
+                                             overflow="per_bucket")
+        scaler.scale(m(torch.randn(4, 256)).square().mean()).backward()
+        scaler.update()
+    assert opt.last_step.grad_bytes_saved > 0
+
+
+def test_a_tiny_model_s_figure_is_in_bytes():
+    with pytest.warns(UserWarning, match=r"\(288 bytes of the model's 288 bytes\)"):
+        dist_optim.InBackwardOptimizer(torch.nn.Linear(8, 8), torch.optim.SGD, lr=0.1, max_grad_norm=1.0)
