@@ -71,6 +71,7 @@ class TrainingStep:
         self.stepping_backwards = 0  # backwards that ran a full in-backward step since the last step() call
         self.warned_several_steps = False
         self.warned_hand_clip = False
+        self.stepped_once = False  # a backward that steps (or measures) has begun
         self.measuring = False  # around the first backward of a two-pass step
         self.finishing = False  # inside the step() that the end of a stepping backward calls
 
@@ -120,6 +121,13 @@ class TrainingStep:
 
     def param_name(self, p: torch.Tensor) -> str:
         return self.opt.param_name(p)
+
+    def gradients_held(self, held: int, total: int) -> None:
+        # DDP's first iteration reduces its buckets only once every gradient is in: that is no accumulation
+        first_under_ddp = self.ddp_hook is not None and not self.stepped_once
+        self.stepped_once = True
+        if held and held == total and not first_under_ddp:
+            self.opt._saving.held_before_step(total)
 
     def step_begins(self) -> None:
         opt = self.opt

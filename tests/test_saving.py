@@ -4,6 +4,7 @@ model's gradient bytes minus the step's peak, measured on real backwards against
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 
@@ -123,3 +124,39 @@ def test_a_grad_scaler_s_exact_overflow_warns_and_per_bucket_does_not():
 def test_a_tiny_model_s_figure_is_in_bytes():
     with pytest.warns(UserWarning, match=r"\(288 bytes of the model's 288 bytes\)"):
         dist_optim.InBackwardOptimizer(torch.nn.Linear(8, 8), torch.optim.SGD, lr=0.1, max_grad_norm=1.0)
+
+
+def test_accumulating_with_no_step_by_hand_is_said_at_the_first_step():
+    m = model()
+    opt = dist_optim.InBackwardOptimizer(m, torch.optim.AdamW, lr=1e-3, bucket_cap_mb=CAP_MB)
+    with pytest.warns(UserWarning, match=r"(?s)holds every gradient.*accumulated in .grad by the backwards before the "
+                      r"one that steps \(opt.no_step\(\), DDP's model.no_sync\(\)\).*larger micro-batch") as record:
+        for _ in range(2):
+            with opt.no_step():
+                m(torch.randn(4, 256)).sum().backward()
+            m(torch.randn(4, 256)).sum().backward()
+    assert len([w for w in record if "saves no gradient memory" in str(w.message)]) == 1
+    assert opt.last_step.grad_bytes_saved == 0
+
+
+def _ddp_accumulation(ctx, micro: int) -> tuple[list[str], int, int]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model(), bucket_cap_mb=CAP_MB)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        opt = dist_optim.InBackwardOptimizer(ddp, torch.optim.AdamW, lr=1e-3, bucket_cap_mb=CAP_MB)
+        for step in range(2):
+            for k in range(micro):
+                with ddp.no_sync() if k < micro - 1 else contextlib.nullcontext():
+                    ddp(torch.randn(4, 256)).square().mean().backward()
+            opt.step()
+    said = [str(w.message) for w in record if "saves no gradient memory" in str(w.message)]
+    return said, opt.last_step.grad_bytes_saved, opt.grad_bytes
+
+
+def test_ddp_no_sync_accumulation_is_said_once_and_one_micro_batch_is_not(ranks):
+    for said, saved, total in ranks.run(2, _ddp_accumulation, micro=2):
+        assert len(said) == 1 and "DDP's model.no_sync()" in said[0] and saved == 0
+    for said, saved, total in ranks.run(2, _ddp_accumulation, micro=1):
+        assert said == [] and 0 < saved < total

@@ -227,6 +227,7 @@ class Engine:
         if run.steps:
             # gradients accumulated by the backwards before (accumulation) were all alive together at their end
             bw.peak_bytes = sum(n for n, p in zip(self.nbytes, self.params) if p.grad is not None)
+            self.owner.gradients_held(bw.peak_bytes, sum(self.nbytes))
             try:
                 policy.begin()
             except BaseException:  # refused (a GradScaler that never scaled), as by _refuse

@@ -29,9 +29,15 @@ ENGINE_TERMS: dict[str, tuple[str, str]] = {
         "a grad_scaler with overflow='exact' (all or nothing: every gradient is held until the overflow check)",
         "overflow='per_bucket' (only the buckets that overflow skip their step)",
     ),
+    "held": (
+        "every gradient was accumulated in .grad by the backwards before the one that steps (opt.no_step(), DDP's "
+        "model.no_sync())",
+        "one backward per step: a larger micro-batch with activation checkpointing (torch.utils.checkpoint per "
+        "block) instead of accumulation",
+    ),
     "one_bucket": (
         "bucket_cap_mb={n} covers all the model's gradients: one bucket, stepped when backward ends",
-        "a bucket_cap_mb below the model's gradient size (the default 4)",
+        "a bucket_cap_mb below the model's gradient size (the default, 4, on a model over 4 MiB)",
     ),
 }
 
@@ -54,8 +60,8 @@ def causes_of(options: InBackwardOptions, model_bytes: int, accumulation: int | 
         causes["exact_clip"] = options.max_grad_norm
     if options.grad_scaler is not None and options.overflow == "exact":
         causes["exact_overflow"] = None
-    if not options.per_parameter and 0 < model_bytes <= options.cap_bytes and options.bucket_cap_mb != DEFAULT_BUCKET_CAP_MB:
-        # the default cap on a model smaller than it is one bucket too, but with nothing to save
+    explicit_cap = options.bucket_cap_mb != DEFAULT_BUCKET_CAP_MB  # the default over a tiny model: little to save
+    if not options.per_parameter and explicit_cap and 0 < model_bytes <= options.cap_bytes:
         causes["one_bucket"] = options.bucket_cap_mb
     return causes
 
@@ -75,12 +81,20 @@ class SavingWatch:
         self.who, self.accumulation = who, accumulation
         self.terms = {**ENGINE_TERMS, **terms}
 
+    def held_before_step(self, model_bytes: int) -> None:
+        """Seen at the first backward that steps: every gradient was already in ``.grad`` (accumulated by hand).
+        Not said again when the accumulation was named already (the option, a framework's setting)."""
+        if "held" not in self.warned and "accumulation" not in self.warned:
+            self._warn({"held": None}, model_bytes, stacklevel=6)
+
     def check(self, options: InBackwardOptions, model_bytes: int, stacklevel: int = 3) -> None:
         """Warn once about the causes of ``options`` not warned about before."""
         found = causes_of(options, model_bytes, self.accumulation)
         causes = {k: v for k, v in found.items() if k not in self.warned}
-        if not causes:
-            return
+        if causes:
+            self._warn(causes, model_bytes, stacklevel + 1)
+
+    def _warn(self, causes: dict[str, object], model_bytes: int, stacklevel: int) -> None:
         self.warned.update(causes)
         lines = [f"- {self.terms[k][0].format(n=v)}: keep it with {self.terms[k][1].format(n=v)}"
                  for k, v in causes.items()]
