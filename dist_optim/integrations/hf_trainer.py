@@ -60,6 +60,8 @@ class InBackwardTrainer(Trainer):
         - the logged ``grad_norm``: ``opt.grad_norm`` (left out of the logs when the optimizer does not measure it),
           combined in ``model.parameters()`` order (``grad_norm_order``) as the Trainer's ``clip_grad_norm_``
           combines it, so that norm and clipping are bitwise the Trainer's.
+        - memory: ``gradient_accumulation_steps > 1`` and ``max_grad_norm > 0`` without ``two_pass`` hold every
+          gradient of the step, so nothing is saved; said once when the optimizer is created, in these terms.
 
     Raises:
         NotImplementedError: ``args.optim`` or ``optimizer_cls_and_kwargs`` gives something other than an optimizer

@@ -47,6 +47,8 @@ class InBackwardCallback(Callback):
       ``max_grad_value=v`` with ``gradient_clip_algorithm="value"``, set when fitting starts. While fitting,
       ``trainer.gradient_clip_val`` reads ``None``, since Lightning's own clipping would come after the step and find
       no gradients; it is put back when fitting ends.
+    - ``accumulate_grad_batches > 1`` and an exact ``gradient_clip_val`` hold every gradient of the step (no memory
+      saving): said once when fitting starts, in these terms.
     - ``log_grad_norm``: the name under which the global gradient norm of each step, before clipping, is logged
       (``None``: not logged). With a standard optimizer it is computed from the gradients, so a run with either
       optimizer logs the same figure. ``lightning.pytorch.utilities.grad_norm`` finds no gradients after an
