@@ -126,7 +126,12 @@ class TrainingStep:
         # DDP's first iteration reduces its buckets only once every gradient is in: that is no accumulation
         first_under_ddp = self.ddp_hook is not None and not self.stepped_once
         self.stepped_once = True
-        if held and held == total and not first_under_ddp:
+        # FSDP2 without gradient sync accumulates unsharded gradients in its own buffers, not in .grad
+        unsharded = False
+        if self.fsdp_units:
+            with contextlib.suppress(NotImplementedError):  # a torch that does not show it: only two_pass needs it
+                unsharded = accumulated_unsharded(self.fsdp_units)
+        if (held and held == total and not first_under_ddp) or unsharded:
             self.opt._saving.held_before_step(total)
 
     def step_begins(self) -> None:

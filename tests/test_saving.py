@@ -129,8 +129,8 @@ def test_a_tiny_model_s_figure_is_in_bytes():
 def test_accumulating_with_no_step_by_hand_is_said_at_the_first_step():
     m = model()
     opt = dist_optim.InBackwardOptimizer(m, torch.optim.AdamW, lr=1e-3, bucket_cap_mb=CAP_MB)
-    with pytest.warns(UserWarning, match=r"(?s)holds every gradient.*accumulated in .grad by the backwards before the "
-                      r"one that steps \(opt.no_step\(\), DDP's model.no_sync\(\)\).*larger micro-batch") as record:
+    with pytest.warns(UserWarning, match=r"(?s)holds every gradient.*accumulated by the backwards before the "
+                      r"one that steps \(opt.no_step\(\), DDP's model.no_sync\(\).*larger micro-batch") as record:
         for _ in range(2):
             with opt.no_step():
                 m(torch.randn(4, 256)).sum().backward()
@@ -160,3 +160,30 @@ def test_ddp_no_sync_accumulation_is_said_once_and_one_micro_batch_is_not(ranks)
         assert len(said) == 1 and "DDP's model.no_sync()" in said[0] and saved == 0
     for said, saved, total in ranks.run(2, _ddp_accumulation, micro=1):
         assert said == [] and 0 < saved < total
+
+
+def _fsdp2_accumulation(ctx, micro: int) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (ctx.world,))
+    m = model()
+    for layer in m:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        opt = dist_optim.InBackwardOptimizer(m, torch.optim.AdamW, lr=1e-3, bucket_cap_mb=0.1)
+        for _ in range(2):
+            for k in range(micro):
+                m.set_requires_gradient_sync(k == micro - 1)
+                m(torch.randn(4, 256)).square().mean().backward()
+            opt.step()
+    return [str(w.message) for w in record if "saves no gradient memory" in str(w.message)]
+
+
+def test_fsdp2_accumulation_without_gradient_sync_is_said_once_and_one_micro_batch_is_not(ranks):
+    for said in ranks.run(2, _fsdp2_accumulation, micro=2):
+        assert len(said) == 1 and "FSDP2's set_requires_gradient_sync(False)" in said[0]
+    for said in ranks.run(2, _fsdp2_accumulation, micro=1):
+        assert said == []

@@ -30,8 +30,8 @@ ENGINE_TERMS: dict[str, tuple[str, str]] = {
         "overflow='per_bucket' (only the buckets that overflow skip their step)",
     ),
     "held": (
-        "every gradient was accumulated in .grad by the backwards before the one that steps (opt.no_step(), DDP's "
-        "model.no_sync())",
+        "every gradient was accumulated by the backwards before the one that steps (opt.no_step(), DDP's "
+        "model.no_sync(), FSDP2's set_requires_gradient_sync(False))",
         "one backward per step: a larger micro-batch with activation checkpointing (torch.utils.checkpoint per "
         "block) instead of accumulation",
     ),
