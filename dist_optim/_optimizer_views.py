@@ -15,6 +15,7 @@ import torch
 
 from dist_optim import _torch_internals as internals
 from dist_optim.engine._buckets import OUTSIDE_BACKWARD
+from dist_optim.engine._classes import is_torch_step
 from dist_optim.engine._grad_policy import StepStats
 from dist_optim.engine._inputs import norm_order_of
 from dist_optim.engine._options import InBackwardOptions, check_for_params
@@ -54,6 +55,33 @@ class OptionsAndTelemetry:
     def micro_batches(self) -> int:
         """Backwards accumulated since the last step (``0`` right after a step)."""
         return self._edges.micro_batches
+
+    def __repr__(self) -> str:
+        """The wrapped class, the engine options that differ from their defaults, and per group the class and the
+        kernel that actually runs (the group's own ``fused``/``foreach`` read ``None`` when the engine chose)."""
+        options = self._edges.options
+        changed = [f"{f.name}={getattr(options, f.name)!r}" for f in dataclasses.fields(options)
+                   if f.compare and getattr(options, f.name) != f.default]
+        if options.grad_scaler is not None:
+            changed.append("grad_scaler=GradScaler")
+        classes = dict.fromkeys(cls.__name__ for cls in self._recipe.classes)
+        head = f"{type(self).__name__}({', '.join(classes)}; options: {', '.join(changed) or 'defaults'})"
+        lines = super().__repr__().splitlines()  # type: ignore[misc]
+        out = [head + " ("]
+        for line in lines[1:]:
+            out.append(line)
+            if line.startswith("Parameter Group "):
+                gi = int(line.split()[-1])
+                cls = self._recipe.classes[gi]
+                kernel = _kernel(cls, self.param_groups[gi], self._recipe.kernels[gi])
+                out.append(f"    in backward: {cls.__name__}, kernel {kernel}")
+        return "\n".join(out)
+
+    @property
+    def grad_bytes(self) -> int:
+        """The bytes of all the gradients this optimizer steps (on this rank: local shards under FSDP2), the figure
+        :attr:`StepStats.grad_bytes_peak` is compared with."""
+        return sum(self._engine.nbytes)
 
     @property
     def last_step(self) -> StepStats:
@@ -171,6 +199,7 @@ class OptionsAndTelemetry:
         self._edges.reconfigure(options)
         self._norm_order = order
         self._rank_norms()
+        self._saving.check(options, self.grad_bytes)
         return options
 
     def set_grad_multiplier(self, multiplier: float | torch.Tensor | None) -> None:
@@ -194,3 +223,13 @@ class OptionsAndTelemetry:
         """The multiplier set by :meth:`set_grad_multiplier` (``None``: none)."""
         return self._edges.options.grad_multiplier
 
+
+
+def _kernel(cls: type, group: dict[str, Any], chosen: dict[str, Any]) -> str:
+    """The kernel a group's steps run: the engine's choice, else the group's own flags, else the class's default."""
+    flags = {**{k: group.get(k) for k in ("fused", "foreach")}, **chosen}
+    if flags["fused"]:
+        return "fused"
+    if flags["foreach"]:
+        return "foreach"
+    return "for-loop" if is_torch_step(cls) else f"{cls.__name__}'s own"

@@ -74,6 +74,8 @@ class TrainingStep:
         self.no_step_depth = 0  # nesting of no_step() contexts
         self.stepping_backwards = 0  # backwards that ran a full in-backward step since the last step() call
         self.warned_several_steps = False
+        self.warned_hand_clip = False
+        self.stepped_once = False  # a backward that steps (or measures) has begun
         self.measuring = False  # around the first backward of a two-pass step
         self.finishing = False  # inside the step() that the end of a stepping backward calls
 
@@ -124,6 +126,18 @@ class TrainingStep:
     def param_name(self, p: torch.Tensor) -> str:
         return self.opt.param_name(p)
 
+    def gradients_held(self, held: int, total: int) -> None:
+        # DDP's first iteration reduces its buckets only once every gradient is in: that is no accumulation
+        first_under_ddp = self.ddp_hook is not None and not self.stepped_once
+        self.stepped_once = True
+        # FSDP2 without gradient sync accumulates unsharded gradients in its own buffers, not in .grad
+        unsharded = False
+        if self.fsdp_units:
+            with contextlib.suppress(NotImplementedError):  # a torch that does not show it: only two_pass needs it
+                unsharded = accumulated_unsharded(self.fsdp_units)
+        if (held and held == total and not first_under_ddp) or unsharded:
+            self.opt._saving.held_before_step(total)
+
     def step_begins(self) -> None:
         opt = self.opt
         for hook in chain(internals.global_step_pre_hooks().values(), internals.step_pre_hooks(opt).values()):
@@ -162,6 +176,7 @@ class TrainingStep:
             self.run_post_hooks()
             return None
         self.framework_watch.at_step(opt)
+        self._check_hand_clip(caller)
         self._check_steps_since_step()
         loss = None
         if closure is not None:
@@ -252,6 +267,28 @@ class TrainingStep:
                 f"{e}. This optimizer was built before the process group existed; build it after wrapping the "
                 "model (InBackwardOptimizer(ddp_model, ...))"
             ) from None
+
+    def _check_hand_clip(self, caller: Any) -> None:
+        """Said once: ``step()`` follows a backward that already stepped, from a function that calls
+        ``clip_grad_norm_``, which found no gradients (freed in backward) and clipped nothing, while the optimizer
+        clips nothing either. Seen from the names the caller's code uses, without touching torch.
+        (``clip_grad_value_`` on no gradients raises torch's own error.)"""
+        names = getattr(getattr(caller, "f_code", None), "co_names", ())
+        if (self.warned_hand_clip or self.stepping_backwards == 0
+                or not ("clip_grad_norm_" in names or "clip_grad_norm" in names)
+                or self.options.max_grad_norm is not None
+                or any(p.grad is not None for g in self.opt.param_groups for p in g["params"])):
+            return
+        self.warned_hand_clip = True
+        warnings.warn(
+            f"opt.step() was called after a backward that already stepped and freed every gradient, from "
+            f"{caller.f_code.co_name}(), which calls torch.nn.utils.clip_grad_norm_: it found no gradients, returned "
+            "0 and clipped nothing, so training runs unclipped. Clip in backward: InBackwardOptimizer(..., "
+            "max_grad_norm=1.0, clip_mode='two_pass') with opt.backward(loss) in place of loss.backward() (exact, "
+            "keeps the memory saving; clip_mode='exact' holds every gradient)",
+            UserWarning,
+            stacklevel=4,
+        )
 
     def _check_steps_since_step(self) -> None:
         n, self.stepping_backwards = self.stepping_backwards, 0

@@ -49,6 +49,7 @@ from dist_optim.engine._inputs import (
 from dist_optim.engine._options import DEFAULT_BUCKET_CAP_MB, InBackwardOptions, options_from
 from dist_optim.engine._owners import check_unowned, record_owner, release
 from dist_optim.engine._rule import check_group
+from dist_optim.engine._saving import SavingWatch
 from dist_optim.engine._stepper import Recipe
 from dist_optim.parallel._ddp import DDPCommHook, check_ddp, ddp_managed, reordering_refused
 from dist_optim.parallel._fsdp2 import fsdp_units
@@ -223,6 +224,8 @@ class InBackwardOptimizer(OptionsAndTelemetry, torch.optim.Optimizer):
                 reductions.attach(self._engine)
                 edges.ddp_hook = reductions
             warn_fused_with_uneven_scale(options.grad_scaler, self._recipe.kernels, self.param_groups)
+            self._saving = SavingWatch()
+            self._saving.check(options, self.grad_bytes, stacklevel=4)
         except BaseException:
             self.remove()  # nothing stays attached from the groups that were accepted before the bad one
             raise

@@ -48,7 +48,9 @@ def test_compiled_model_equals_the_standard_loop_and_only_whole_model_warns(whol
     if whole:
         assert len(ours) == 1  # once per optimizer
         assert "block.compile()" in str(ours[0].message) and "10 gradients" in str(ours[0].message)
-        assert opt.last_step.grad_bytes_peak == total
+        assert opt.last_step.grad_bytes_peak == total and opt.last_step.grad_bytes_saved == 0
+        assert "saves no gradient memory" in str(ours[0].message)  # the words of every lost-saving warning
     else:
-        assert not ours
+        assert not [w for w in caught if "saves no gradient memory" in str(w.message)]
         assert 0 < opt.last_step.grad_bytes_peak <= 2 * LAYER_BYTES < total
+        assert opt.last_step.grad_bytes_saved == total - opt.last_step.grad_bytes_peak

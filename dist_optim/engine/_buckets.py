@@ -95,6 +95,10 @@ class Owner(Protocol):
     def param_name(self, p: torch.Tensor) -> str:
         """``p``'s name, for errors."""
 
+    def gradients_held(self, held: int, total: int) -> None:
+        """A backward that steps begins with ``held`` of the ``total`` gradient bytes already in ``.grad``
+        (accumulated by the backwards before it)."""
+
     def step_begins(self) -> None:
         """A training step is about to step its first bucket."""
 

@@ -231,6 +231,9 @@ class Engine:
             self.kept_stepped_graph = retained
         self.backward = bw = Backward(tid, last.task, run, policy)
         if run.steps:
+            # gradients accumulated by the backwards before (accumulation) were all alive together at their end
+            bw.peak_bytes = sum(n for n, p in zip(self.nbytes, self.params) if p.grad is not None)
+            self.owner.gradients_held(bw.peak_bytes, sum(self.nbytes))
             try:
                 policy.begin()
             except BaseException:  # refused (a GradScaler that never scaled), as by _refuse
@@ -366,7 +369,9 @@ class Engine:
         self.incomplete = False
         if bw.run is Run.MEASURE:
             return  # the owner decides whether the stepping pass runs
-        bw.policy.stats.grad_bytes_peak = max(bw.peak_bytes, bw.live_bytes, self.learner.at_once_bytes)
+        stats = bw.policy.stats
+        stats.grad_bytes_peak = max(bw.peak_bytes, bw.live_bytes, self.learner.at_once_bytes)
+        stats.grad_bytes_saved = max(0, sum(self.nbytes) - stats.grad_bytes_peak)
         self.owner.step_ends(bw.began)
 
     def step_standard(self, parts: list[tuple[int, list[torch.Tensor]]]) -> bool:

@@ -49,6 +49,9 @@ class StepStats:
             yet freed, counted by the engine; under DDP, bucket by bucket once reduced); with a model compiled
             whole, every gradient, since its compiled backward hands them over together. ``0`` after a standard
             :meth:`step`.
+        grad_bytes_saved: the gradient bytes the step did not hold: the model's gradient bytes
+            (``opt.grad_bytes``) minus ``grad_bytes_peak``; ``0`` when every gradient was alive at once (accumulation,
+            ``clip_mode="exact"``, one bucket, a model compiled whole) and after a standard :meth:`step`.
     """
 
     grad_norm: torch.Tensor | None = None
@@ -58,6 +61,7 @@ class StepStats:
     overflow: bool = False
     step_time_s: float = 0.0
     grad_bytes_peak: int = 0
+    grad_bytes_saved: int = 0
 
 
 class GradPolicy:

@@ -131,8 +131,8 @@ class Learner:
             f"all {len(set(indices))} gradients ({total} bytes) arrive at once from one autograd node "
             f"({type(next(iter(producers))).__name__}), as with a model compiled whole (torch.compile(model)): they "
             "are all alive together, so stepping in backward saves no gradient memory. Compile per block instead "
-            "(`for block in model.blocks: block.compile()`), which keeps the saving; opt.last_step.grad_bytes_peak "
-            "reports the bytes held",
+            "(`for block in model.blocks: block.compile()`), which keeps the saving; opt.last_step.grad_bytes_saved "
+            "reports the saving of each step (docs/getting-started.md, 'Settings that keep the saving')",
             UserWarning,
             stacklevel=4,
         )

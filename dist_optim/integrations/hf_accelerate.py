@@ -16,6 +16,14 @@ from dist_optim.optimizer import InBackwardOptimizer
 
 __all__ = ["InBackwardAccelerator"]
 
+# what cancels the memory saving, in the Accelerator's terms (dist_optim/engine/_saving.py has the engine's)
+ACCELERATE_TERMS = {
+    "accumulation": (
+        "Accelerator(gradient_accumulation_steps={n}) (every gradient stays in .grad across the {n} micro-batches)",
+        "gradient_accumulation_steps=1 and a DataLoader batch {n}x larger, with activation checkpointing",
+    ),
+}
+
 
 @register_adapter
 class InBackwardAccelerator(Accelerator):
@@ -65,6 +73,8 @@ class InBackwardAccelerator(Accelerator):
             opt = unwrap(obj)
             if opt is not None and all(opt is not o for o in self._in_backward):
                 self._in_backward.append(opt)
+                opt._saving.speak_as("InBackwardAccelerator", ACCELERATE_TERMS, self.gradient_accumulation_steps)
+                opt._saving.check(opt.options, opt.grad_bytes)
         models = [obj for obj in args if isinstance(obj, torch.nn.Module)]
         if len(models) == 1:
             # a loop clips clip_grad_norm_(model.parameters()): the norm combines in that order, not the groups'

@@ -20,6 +20,21 @@ from dist_optim.optimizer import InBackwardOptimizer
 
 __all__ = ["InBackwardTrainer"]
 
+# what cancels the memory saving, in TrainingArguments' terms (dist_optim/engine/_saving.py has the engine's)
+HF_TERMS = {
+    "accumulation": (
+        "gradient_accumulation_steps={n} (every gradient stays in .grad across the {n} micro-batches)",
+        "gradient_accumulation_steps=1 and a per_device_train_batch_size {n}x larger, with "
+        "gradient_checkpointing=True",
+    ),
+    "exact_clip": (
+        "max_grad_norm={n} (the default 1.0 clips by the global norm, clip_mode='exact', which needs every "
+        "gradient before the first step)",
+        'InBackwardTrainer(..., in_backward_options={{"clip_mode": "two_pass"}}) (one more backward), or '
+        "max_grad_norm=0 (no clipping)",
+    ),
+}
+
 
 @register_adapter
 class InBackwardTrainer(Trainer):
@@ -45,6 +60,8 @@ class InBackwardTrainer(Trainer):
         - the logged ``grad_norm``: ``opt.grad_norm`` (left out of the logs when the optimizer does not measure it),
           combined in ``model.parameters()`` order (``grad_norm_order``) as the Trainer's ``clip_grad_norm_``
           combines it, so that norm and clipping are bitwise the Trainer's.
+        - memory: ``gradient_accumulation_steps > 1`` and ``max_grad_norm > 0`` without ``two_pass`` hold every
+          gradient of the step, so nothing is saved; said once when the optimizer is created, in these terms.
 
     Raises:
         NotImplementedError: ``args.optim`` or ``optimizer_cls_and_kwargs`` gives something other than an optimizer
@@ -89,6 +106,7 @@ class InBackwardTrainer(Trainer):
                 self.optimizer_cls_and_kwargs = saved
         opt = unwrap(self.optimizer)
         if opt is not None:
+            opt._saving.speak_as("InBackwardTrainer", HF_TERMS, self.args.gradient_accumulation_steps)
             # the Trainer measures (and clips) clip_grad_norm_(model.parameters()): its order, not the groups'
             opt.configure_clipping(**clipping_options(self.args.max_grad_norm, "norm", opt),
                                    grad_norm_order=(self.model if model is None else model).parameters())

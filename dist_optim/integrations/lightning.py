@@ -19,6 +19,20 @@ from dist_optim.optimizer import InBackwardOptimizer
 
 __all__ = ["InBackwardCallback", "TwoPassBackward"]
 
+# what cancels the memory saving, in the Trainer's terms (dist_optim/engine/_saving.py has the engine's)
+LIGHTNING_TERMS = {
+    "accumulation": (
+        "Trainer(accumulate_grad_batches={n}) (every gradient stays in .grad across the {n} batches)",
+        "accumulate_grad_batches=1 and a DataLoader batch {n}x larger, with activation checkpointing in the module",
+    ),
+    "exact_clip": (
+        "Trainer(gradient_clip_val={n}) with an optimizer built with clip_mode='exact' (the global norm needs "
+        "every gradient before the first step)",
+        "InBackwardOptimizer(..., clip_mode='two_pass') and the module derived from "
+        "dist_optim.integrations.lightning.TwoPassBackward (one more backward)",
+    ),
+}
+
 
 @register_adapter
 class InBackwardCallback(Callback):
@@ -33,6 +47,8 @@ class InBackwardCallback(Callback):
       ``max_grad_value=v`` with ``gradient_clip_algorithm="value"``, set when fitting starts. While fitting,
       ``trainer.gradient_clip_val`` reads ``None``, since Lightning's own clipping would come after the step and find
       no gradients; it is put back when fitting ends.
+    - ``accumulate_grad_batches > 1`` and an exact ``gradient_clip_val`` hold every gradient of the step (no memory
+      saving): said once when fitting starts, in these terms.
     - ``log_grad_norm``: the name under which the global gradient norm of each step, before clipping, is logged
       (``None``: not logged). With a standard optimizer it is computed from the gradients, so a run with either
       optimizer logs the same figure. ``lightning.pytorch.utilities.grad_norm`` finds no gradients after an
@@ -64,6 +80,7 @@ class InBackwardCallback(Callback):
         algorithm = trainer.gradient_clip_algorithm
         algorithm = "norm" if algorithm is None else str(getattr(algorithm, "value", algorithm))
         for opt in opts:
+            opt._saving.speak_as("InBackwardCallback", LIGHTNING_TERMS, trainer.accumulate_grad_batches)
             opt.configure_clipping(**clipping_options(trainer.gradient_clip_val, algorithm, opt))
         if any(opt.clip_mode == "two_pass" and opt.max_grad_norm is not None for opt in opts) and not isinstance(
                 pl_module, TwoPassBackward):

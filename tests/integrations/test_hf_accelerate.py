@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import os
 
+import warnings
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -138,3 +140,18 @@ def test_clipping_not_set_on_the_optimizer_is_refused():
         accelerator.clip_grad_norm_(model.parameters(), math.inf)
     with pytest.raises(ValueError, match="exactly the optimizer's parameters"):
         accelerator.clip_grad_norm_(list(model.parameters())[:2], 1.0)
+
+
+def test_accumulation_is_said_in_accelerate_s_terms():
+    with pytest.warns(UserWarning, match=r"(?s)InBackwardAccelerator holds every gradient.*"
+                      r"Accelerator\(gradient_accumulation_steps=2\).*gradient_accumulation_steps=1 and a DataLoader "
+                      r"batch 2x larger") as record:
+        run(InBackwardAccelerator, True, accum=2)
+    assert len([w for w in record if "saves no gradient memory" in str(w.message)]) == 1
+
+
+def test_no_accumulation_keeps_the_saving_silently():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*saves no gradient memory")
+        _, opt, _ = run(InBackwardAccelerator, True, bucket_cap_mb=0.0001)
+    assert 0 < opt.optimizer.last_step.grad_bytes_saved < opt.optimizer.grad_bytes

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import pytest
 import torch
@@ -131,3 +132,22 @@ def test_an_optimizer_that_cannot_step_in_backward_is_refused(tmp_path):
                                 optimizer_cls_and_kwargs=(functools.partial(torch.optim.AdamW), {}))
     with pytest.raises(NotImplementedError, match=r"optimizer_cls_and_kwargs gives functools.partial.*cls\(params"):
         trainer.create_optimizer()
+
+
+def test_settings_that_hold_every_gradient_are_said_in_the_trainer_s_terms(tmp_path):
+    with pytest.warns(UserWarning, match=r"(?s)InBackwardTrainer holds every gradient.*gradient_accumulation_steps=4 .*"
+                      r"per_device_train_batch_size 4x larger.*max_grad_norm=1.0 .*in_backward_options="
+                      r"\{\"clip_mode\": \"two_pass\"\}") as record:
+        trainer, _ = train(InBackwardTrainer, tmp_path, gradient_accumulation_steps=4)
+    assert len([w for w in record if "saves no gradient memory" in str(w.message)]) == 1
+    assert dist_optim.integrations.hf_trainer.unwrap(trainer.optimizer).last_step.grad_bytes_saved == 0
+
+
+def test_two_pass_without_accumulation_keeps_the_saving_silently(tmp_path):
+    trainer_cls = functools.partial(InBackwardTrainer, in_backward_options={"clip_mode": "two_pass",
+                                                                            "bucket_cap_mb": 0.001})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*saves no gradient memory")
+        trainer, _ = train(trainer_cls, tmp_path)
+    opt = dist_optim.integrations.hf_trainer.unwrap(trainer.optimizer)
+    assert 0 < opt.last_step.grad_bytes_saved < opt.grad_bytes

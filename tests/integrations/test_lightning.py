@@ -5,6 +5,7 @@ resume; the logged grad norm; the naive swap with nothing outside the optimizer 
 from __future__ import annotations
 
 import csv
+import warnings
 
 import pytest
 import torch
@@ -183,3 +184,23 @@ def test_manual_accumulation_with_a_stepping_backward_each_is_warned_or_refused(
         _fit_manual(ManualAccumulation())
     with pytest.raises(RuntimeError, match=r"4 backwards each ran a full optimizer step.*\(strict=True\)"):
         _fit_manual(ManualAccumulation(strict=True))
+
+
+def test_settings_that_hold_every_gradient_are_said_in_lightning_s_terms(tmp_path):
+    with pytest.warns(UserWarning, match=r"(?s)InBackwardCallback holds every gradient.*"
+                      r"Trainer\(accumulate_grad_batches=2\).*Trainer\(gradient_clip_val=1.0\).*TwoPassBackward"
+                      ) as record:
+        fit(tmp_path, True, accumulate_grad_batches=2, gradient_clip_val=1.0)
+    assert len([w for w in record if "saves no gradient memory" in str(w.message)]) == 1
+
+
+def test_two_pass_clipping_keeps_the_saving_silently(tmp_path):
+    class TwoPass(TwoPassBackward, Module):
+        pass
+
+    module = TwoPass(True, clip_mode="two_pass", bucket_cap_mb=0.0001)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*saves no gradient memory")
+        fit(tmp_path, True, module=module, gradient_clip_val=1.0)
+    opt = module.optimizers().optimizer
+    assert 0 < opt.last_step.grad_bytes_saved < opt.grad_bytes
