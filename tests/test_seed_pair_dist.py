@@ -90,17 +90,18 @@ def _ignored_parameter_steps_locally(ctx, init_before):
     assert torch.equal(gathered[0][1], gathered[1][1])  # b.weight: averaged
 
 
-def _refused_at_the_call(ctx, wrap_first):
+def _refused_at_the_first_backward(ctx, wrap_first):
+    """With the group up the call cannot know what will reduce the gradients (a wrapper may come later): accepted,
+    and the first backward whose gradient arrives un-reduced is refused there, before anything steps."""
     model = _net()
     before = [p.detach().clone() for p in model.parameters()]
     ddp = DDP(model) if wrap_first else None
-    with pytest.raises(RuntimeError, match=REFUSAL):
-        apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
-    assert not any(hasattr(p, "_in_backward_optimizers") for p in model.parameters())
+    apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
     ddp = ddp if ddp is not None else DDP(model)
-    ddp(torch.randn(4, 3)).sum().backward()  # a standard loop still works on the model
-    assert all(p.grad is not None for p in model.parameters())
+    with pytest.raises(RuntimeError, match=REFUSAL + ".*nothing was stepped"):
+        ddp(torch.randn(4, 3)).sum().backward()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert all(not p._in_backward_optimizers[0].state for p in model.parameters())
 
 
 def _attached_before_the_group(ctx) -> nn.Module:
@@ -123,20 +124,22 @@ def _refused_in_the_first_backward(ctx):
 
 
 # -- FSDP1 (use_orig_params=True): its runtime steps the pair's optimizers after its reduce-scatter ---------------
-def _fsdp1_pair(ctx, *, cls, kwargs, attach_first: bool) -> None:
+def _fsdp1_pair(ctx, *, cls, kwargs, order: str) -> None:
     """The pair on FSDP1's original parameters ends bitwise where FSDP1 + the standard loop ends (same optimizer
-    and kernel), whichever comes first: attaching (before ``init_process_group``) or wrapping (then attaching)."""
+    and kernel), in every order of attaching, ``init_process_group`` and wrapping (``order``, as letters: a, g, w;
+    the group is up already unless it comes after attaching)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     base = make_model(width=WIDTH)
     model, ref = copy.deepcopy(base), copy.deepcopy(base)
-    if attach_first:
-        apply_optimizer_in_backward(cls, model.parameters(), kwargs)
-        ctx.init_process_group()
-    model = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+    for what in order:
+        if what == "a":
+            apply_optimizer_in_backward(cls, model.parameters(), kwargs)
+        elif what == "g" and order.index("g") > order.index("a"):
+            ctx.init_process_group()
+        elif what == "w":
+            model = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
     ref = FSDP(ref, device_id=torch.device("cpu"), use_orig_params=True)
-    if not attach_first:
-        apply_optimizer_in_backward(cls, model.parameters(), kwargs)
     ref_opt = cls(ref.parameters(), **kwargs)
     data = batches(3, width=WIDTH, seed=10 + dist.get_rank())  # each rank its own: the reduction matters
     train_in_backward(model, data)
@@ -149,38 +152,26 @@ def _fsdp1_pair(ctx, *, cls, kwargs, attach_first: bool) -> None:
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             assert torch.equal(p, q), f"{name}: max |diff| {(p - q).abs().max().item()}"
         assert not all(torch.equal(p, q) for p, q in zip(ref.parameters(), base.parameters()))
-    if attach_first:
+    if order.index("g") > order.index("a"):
         gc.collect()
         dist.barrier()
         dist.destroy_process_group()
-
-
-def _fsdp1_attach_before_wrapping_is_refused(ctx) -> None:
-    """With the process group up, plain parameters cannot be known to be FSDP1's later: refused at the call,
-    naming the order that works."""
-    model = make_model(width=WIDTH)
-    with pytest.raises(RuntimeError, match=r"(?s)un-reduced gradient.*use_orig_params=True\)\) first and attach after"):
-        apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
-    assert not any(hasattr(p, "_in_backward_optimizers") for p in model.parameters())
 
 
 FSDP1_OPTIMIZERS = [(torch.optim.AdamW, {**ADAMW_HPARAMS, "fused": True}),
                     (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "foreach": True})]
 
 
+@pytest.mark.parametrize("order", ["gwa", "gaw"], ids=["group-wrap-attach", "group-attach-wrap"])
 @pytest.mark.parametrize("cls,kwargs", FSDP1_OPTIMIZERS, ids=["AdamW-fused", "SGD-momentum-foreach"])
-def test_fsdp1_wrap_then_attach_equals_fsdp1_and_the_standard_loop(ranks, cls, kwargs):
-    ranks.run(2, _fsdp1_pair, cls=cls, kwargs=kwargs, attach_first=False)
+def test_fsdp1_with_the_group_up_equals_fsdp1_and_the_standard_loop(ranks, cls, kwargs, order):
+    # group-attach-wrap is the order torch's own FSDP1 tests use: refused at the call before
+    ranks.run(2, _fsdp1_pair, cls=cls, kwargs=kwargs, order=order)
 
 
 @pytest.mark.parametrize("cls,kwargs", FSDP1_OPTIMIZERS, ids=["AdamW-fused", "SGD-momentum-foreach"])
 def test_fsdp1_attach_before_the_group_equals_fsdp1_and_the_standard_loop(cls, kwargs):
-    run_fresh(2, _fsdp1_pair, init=False, cls=cls, kwargs=kwargs, attach_first=True)
-
-
-@pytest.mark.skipif(ACCELERATOR, reason="with an accelerator the call is accepted for torch's DDP to take over")
-def test_fsdp1_attach_with_the_group_up_before_wrapping_is_refused(ranks):
-    ranks.run(2, _fsdp1_attach_before_wrapping_is_refused)
+    run_fresh(2, _fsdp1_pair, init=False, cls=cls, kwargs=kwargs, order="agw")
 
 
 def _ddp_wrapped_model_is_freed(ctx):
@@ -264,8 +255,8 @@ def test_ddp_ignored_parameter_steps_locally(ranks, init_before):
 
 @pytest.mark.skipif(ACCELERATOR, reason="with an accelerator torch's DDP steps the pair (test_ddp_equals_*)")
 @pytest.mark.parametrize("wrap_first", [False, True], ids=["attach-then-wrap", "wrap-then-attach"])
-def test_refused_at_the_call_without_an_accelerator(ranks, wrap_first):
-    ranks.run(2, _refused_at_the_call, wrap_first=wrap_first)
+def test_refused_at_the_first_backward_without_an_accelerator(ranks, wrap_first):
+    ranks.run(2, _refused_at_the_first_backward, wrap_first=wrap_first)
 
 
 @pytest.mark.skipif(ACCELERATOR, reason="with an accelerator torch's DDP steps the pair (test_ddp_equals_*)")

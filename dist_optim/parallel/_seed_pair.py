@@ -137,9 +137,12 @@ def apply_optimizer_in_backward(
     Unlike torch's, it frees the parameters when the model is dropped and never steps on local gradients
     unasked. Under DistributedDataParallel (attach before or after wrapping, before the first forward), torch's
     DDP takes the step over after each bucket's all-reduce, as with torch's function; that step needs an
-    accelerator build, so without one a multi-rank job is refused, before anything steps, in favour of
-    ``InBackwardOptimizer(ddp_model, ...)``. For bucketed, faster steps and a single ``state_dict()``, use
-    :class:`InBackwardOptimizer`.
+    accelerator build. Under FSDP1 (``use_orig_params=True``), torch's FSDP1 steps them after its reduce-scatter,
+    whether they were attached before or after wrapping, and before or after ``init_process_group``. What steps
+    them is known only when their gradients arrive: in a multi-rank job a gradient that reaches the hook
+    un-reduced (no wrapper took the step over: not wrapped, or DDP on a build without an accelerator) is refused
+    there, before anything steps, naming the way out (``InBackwardOptimizer(ddp_model, ...)``). For bucketed,
+    faster steps and a single ``state_dict()``, use :class:`InBackwardOptimizer`.
 
     Args:
         optimizer_class: a ``torch.optim.Optimizer`` subclass.
@@ -151,7 +154,8 @@ def apply_optimizer_in_backward(
             DDP's ignore list) on their local, un-reduced gradients (local SGD).
 
     Raises:
-        RuntimeError: in a multi-rank job on a build without an accelerator, unless ``allow_local_steps``.
+        RuntimeError: at the first backward, before anything steps, in a multi-rank job whose gradient reached a
+            parameter's hook un-reduced (no wrapper took the step over), unless ``allow_local_steps``.
 
     Example:
         >>> import torch, dist_optim
@@ -166,10 +170,6 @@ def apply_optimizer_in_backward(
     params = list(params)
     for k, p in enumerate(params):
         check_tensor(p, f"params[{k}]")
-    if not allow_local_steps and not _ddp_can_take_over():
-        for p in params:
-            if _world(p) > 1:
-                raise RuntimeError(_ddp_alternative(p))
     if register_hook:
         for p in params:
             check_unowned([p], p.__dict__.get("_in_backward_optimizers"), lambda t: f"of shape {tuple(t.shape)}")
