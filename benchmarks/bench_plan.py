@@ -116,6 +116,17 @@ def compare_job(model_fn: Any, batch_fn: Any, loss: Any, optimizer_class: type, 
     return res
 
 
+def print_rows(label: str, r: dict[str, Any]) -> None:
+    """One line per loop of a :func:`compare_job` result: peaks planned and measured, the step's, the saving."""
+    s = r["saving"]
+    for loop in LOOPS:
+        x = r[loop]
+        err = "" if s["error"] is None else f" ({100 * s['error']:+.1f} %)"
+        tail = f"   {h.mib(s['planned'])} / {h.mib(s['measured'])}{err}" if loop == "standard" else ""
+        print(f"{label} {loop:<12} {h.mib(x['planned_peak']):>9} {h.mib(x['measured_peak']):>9} "
+              f"{100 * x['error']:>+6.1f}%  {h.mib(x['planned_step_peak']):>12} {h.mib(x['measured_step_peak']):>9}{tail}")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = h.parser("bench_plan", __doc__)
     args = h.parse(p, argv, quick={"threads": 1}, full={"threads": 2})
@@ -127,15 +138,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{'step planned':>12} {'measured':>9}   saving planned / measured MiB")
     for name, shape in shapes.items():
         for label, engine in configs:
-            r = rows[f"{name}/{label}"] = compare(shape, engine, args.device)
-            s = r["saving"]
-            for loop in LOOPS:
-                x = r[loop]
-                err = "" if s["error"] is None else f" ({100 * s['error']:+.1f} %)"
-                tail = f"   {h.mib(s['planned'])} / {h.mib(s['measured'])}{err}" if loop == "standard" else ""
-                print(f"{name:<10} {label:<16} {loop:<12} {h.mib(x['planned_peak']):>9} {h.mib(x['measured_peak']):>9} "
-                      f"{100 * x['error']:>+6.1f}%  {h.mib(x['planned_step_peak']):>12} "
-                      f"{h.mib(x['measured_step_peak']):>9}{tail}")
+            rows[f"{name}/{label}"] = compare(shape, engine, args.device)
+            print_rows(f"{name:<10} {label:<16}", rows[f"{name}/{label}"])
     return run.finish({"shapes": {k: list(v) for k, v in shapes.items()}, "rows": rows})
 
 

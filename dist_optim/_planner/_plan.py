@@ -27,6 +27,7 @@ from dist_optim._planner._lowbit import stand_in, steps_on_fake
 from dist_optim._planner._memory_trace import MemoryTrace
 from dist_optim._planner._pipeline import plan_pipeline
 from dist_optim._planner._step import LOOPS, NOT_SEEN, Job, LoopPlan, MemoryPlan, loop_plan
+from dist_optim._planner._workspaces import Workspaces
 from dist_optim._torch_internals import FakeTensorMode, fsdp_resized_tensors, tree_leaves
 from dist_optim.engine._options import InBackwardOptions, engine_keywords
 
@@ -44,7 +45,8 @@ PLANNED_OPTIONS = ("bucket_cap_mb", "per_parameter", "accumulation_steps", "max_
 def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any],
                 loss_fn: Callable[[nn.Module, Any], torch.Tensor], optimizer_class: type[torch.optim.Optimizer],
                 optimizer_kwargs: dict[str, Any], engine_options: dict[str, Any],
-                autocast_dtype: torch.dtype | None, layout: Layout, mesh: Any) -> tuple[LoopPlan, int, str]:
+                autocast_dtype: torch.dtype | None, layout: Layout, mesh: Any, workspaces: Workspaces
+                ) -> tuple[LoopPlan, int, str]:
     micro = engine_options.get("accumulation_steps", 1)
     built: list[nn.Module] = []  # the model, for naming the module of an operator that fails
     with FakeTensorMode(), layout.inside_fake_mode(), named_operators(built), warnings.catch_warnings():
@@ -54,7 +56,7 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
         with FakeCopies():  # copy.deepcopy in the builder copies into this fake mode
             model = model_fn()
         built.append(model)
-        trace = MemoryTrace(layout.collective_buffers())
+        trace = MemoryTrace(layout.collective_buffers(), workspaces)
 
         def seen(p: torch.Tensor) -> None:
             block = trace.block_of(local(p.grad))
@@ -214,11 +216,13 @@ def plan(
                     parallelize, backend)
     layout.check(engine)
     plans = {}
+    workspaces = Workspaces()  # calibrated once for both loops
     with layout.group() as mesh:
         for loop in LOOPS:
             logger.info("tracing the %s loop on fake tensors, %s", loop.replace("_", " "), layout.describe())
             plans[loop], n_params, device = _trace_loop(loop, model_fn, batch_fn, loss_fn, traced,
-                                                        optimizer_kwargs, engine, autocast_dtype, layout, mesh)
+                                                        optimizer_kwargs, engine, autocast_dtype, layout, mesh,
+                                                        workspaces)
     if parallel != "none" and backend is None:  # as the collectives chose it: by the tensors' device
         layout = dataclasses.replace(layout, backend="nccl" if device == "cuda" else "gloo")
     options = {**engine, **layout.recorded(),
@@ -226,7 +230,7 @@ def plan(
                "optimizer_class": name,
                "optimizer_kwargs": {k: v for k, v in optimizer_kwargs.items() if isinstance(v, (int, float, str))}}
     return MemoryPlan(plans["standard"], plans["in_backward"], n_params, options,
-                      NOT_SEEN + layout.not_seen() + _not_seen(optimizer_class, traced))
+                      NOT_SEEN + layout.not_seen() + _not_seen(optimizer_class, traced) + workspaces.said())
 
 
 def _not_seen(optimizer_class: type, traced: type) -> tuple[str, ...]:
