@@ -140,3 +140,22 @@ def test_engine_options_default_to_the_engines_and_unmodelled_ones_are_refused()
         dist_optim.plan(*args, max_grad_value=1.0, lr=1e-3)
     with pytest.raises(ValueError, match="bucket_cap_mb must be > 0, got 0"):
         dist_optim.plan(*args, bucket_cap_mb=0, lr=1e-3)
+
+
+MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "vocab_size": 256, "max_position_embeddings": 64}
+
+
+def test_an_moe_whose_grouped_experts_take_bf16_only_plans_in_bf16_and_says_so_in_fp32(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(MIXTRAL))
+    p = main(["--hf-config", str(path), "--batch-size", "2", "--dtype", "bfloat16", "--quiet"])
+    assert p.options["seq_len"] == 64 and p.standard.peak_bytes > 0  # max_position_embeddings
+    capsys.readouterr()
+    with pytest.raises(Refused, match=r"aten._grouped_mm.* called from model.layers.0.mlp.experts \(MixtralExperts\): "
+                                      r"RuntimeError: Expected inputs of BF16 type.*--dtype bfloat16"):
+        main(["--hf-config", str(path), "--batch-size", "2", "--quiet"])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err  # torch's own log of the failing meta kernel: filtered

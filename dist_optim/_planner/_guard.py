@@ -12,6 +12,7 @@ NYI").
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,6 +107,9 @@ def named_operators(model: list[nn.Module]) -> Iterator[None]:
         if watch.modules and watch.modules[-1] is module:
             watch.modules.pop()
     handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+    # torch logs a failing meta kernel with its traceback before raising: the one line below says it instead
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_log.addFilter(_no_meta_traceback)
     try:
         with watch:
             yield
@@ -120,8 +124,13 @@ def named_operators(model: list[nn.Module]) -> Iterator[None]:
             f"{func} cannot run on fake tensors, called from {_name(where, model[0] if model else None)}: {said}; "
             f"the way out: {way}") from None
     finally:
+        fake_log.removeFilter(_no_meta_traceback)
         for h in handles:
             h.remove()
+
+
+def _no_meta_traceback(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("failed while attempting to run meta")
 
 
 def _caused_by(e: BaseException, cause: BaseException) -> bool:

@@ -33,6 +33,7 @@ from torch import nn
 from dist_optim._planner._guard import FakeCopies, named_operators
 from dist_optim._planner._memory_trace import MemoryTrace
 from dist_optim._planner._step import LOOPS, NOT_SEEN, Job, LoopPlan, MemoryPlan, in_backward_kernel, loop_plan
+from dist_optim._planner._workspaces import Workspaces
 from dist_optim._torch_internals import (STAGE_WARMUP_RESULT, STAGE_WARMUP_VOTE, FakeTensorMode,
                                          fake_store, stage_kept_outputs, stage_recv_buffers, tree_leaves)
 from dist_optim.pipeline import pipeline_optimizers
@@ -187,7 +188,7 @@ def _trace_stage(loop: str, rank: int, num_stages: int, model_fn: Callable[[], n
         example_in, example_out = _stage_shapes(model, stage_fn, num_stages, x0)[rank]
         module = stage_fn(model, rank, num_stages)
         del model  # the other stages' parameters: a stage rank keeps its own
-        trace = MemoryTrace()
+        trace = MemoryTrace(workspaces=Workspaces())  # CPU convolutions' own allocations, calibrated
 
         def seen(p: torch.Tensor) -> None:
             block = trace.block_of(p.grad)
