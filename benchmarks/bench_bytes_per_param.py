@@ -225,7 +225,7 @@ def bench_config(name: str, args: Any, device: torch.device, timed: bool) -> dic
     std = loops["standard"]
     n = sum(p.numel() for p in std.params)
     keep: list[torch.Tensor] = []
-    activations = h.allocator_peak(lambda: keep.append(std.loss()), device)["net_bytes"]
+    activations = h.allocator_peak(lambda: keep.append(std.loss()), device)["net_bytes"]  # noqa: F821 (keep is deleted after the call)
     del keep
     for m in memory.values():
         m["bytes_per_param"] = (m["persistent_bytes"] + m["step_peak_bytes"] - activations) / n

@@ -20,9 +20,9 @@ from dist_optim.engine._inputs import norm_order_of
 from dist_optim.engine._options import InBackwardOptions, check_for_params
 
 if TYPE_CHECKING:
+    from dist_optim._training_step import TrainingStep
     from dist_optim.engine._engine import Engine
     from dist_optim.engine._stepper import Recipe
-    from dist_optim._training_step import TrainingStep
 
 __all__: list[str] = []
 

@@ -25,14 +25,14 @@ import sys
 from typing import Any
 
 import torch
-from torch.optim import optimizer as _optimizer
-from torch.utils import _foreach_utils
 
 # -- the memory planner (fake tensors, dispatch, pytrees) -----------------------------------------------------------
 # FakeTensorMode: tensors with shapes and no data, on which the planner traces a step; is_fake: the engine skips a
 # value comparison that fake tensors cannot make; unset_fake_temporarily: the planner runs a device mesh's rank
 # tensors (real) outside it, which FSDP2 over a tensor-parallel mesh slices on fake tensors. Public: none yet.
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
+from torch.optim import optimizer as _optimizer
+from torch.utils import _foreach_utils
 
 # Every operator's outputs, as they are made: the planner's memory trace. Public: none yet.
 from torch.utils._python_dispatch import TorchDispatchMode

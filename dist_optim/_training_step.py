@@ -15,31 +15,41 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from itertools import chain
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from dist_optim import _torch_internals as internals
-from dist_optim.engine._buckets import OUTSIDE_BACKWARD, Run
-from dist_optim.parallel._ddp import DDPCommHook
 from dist_optim._frameworks import Watch, adapted_framework_above
-from dist_optim.parallel._fsdp2 import accumulated_unsharded
+from dist_optim.engine._buckets import OUTSIDE_BACKWARD, Run
+from dist_optim.engine._engine import Engine
 from dist_optim.engine._grad_policy import GradPolicy
 from dist_optim.engine._inputs import check_single_process, is_dtensor
 from dist_optim.engine._options import InBackwardOptions, check_for_params
 from dist_optim.engine._owners import is_owned
-
-if TYPE_CHECKING:
-    from dist_optim.engine._engine import Engine
-    from dist_optim.optimizer import InBackwardOptimizer
+from dist_optim.parallel._ddp import DDPCommHook
+from dist_optim.parallel._fsdp2 import accumulated_unsharded
 
 __all__: list[str] = []
+
+
+class Facade(Protocol):
+    """What the training step uses of the optimizer it serves (``InBackwardOptimizer``); the facade itself is also
+    what step hooks, bucket step hooks and the framework watch are handed."""
+
+    param_groups: list[dict[str, Any]]
+
+    def param_name(self, p: torch.Tensor) -> str:
+        """``p``'s name, for errors."""
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """The facade's ``step()``, which a stepping backward's end calls."""
 
 
 class TrainingStep:
     """One optimizer's training-step edges (the engine's owner); ``opt`` is the facade it serves."""
 
-    def __init__(self, opt: InBackwardOptimizer, options: InBackwardOptions,
+    def __init__(self, opt: Facade, options: InBackwardOptions,
                  frozen: list[tuple[str, weakref.ref]], fsdp_units: list[Any] | None) -> None:
         self.opt = opt
         self.options = options

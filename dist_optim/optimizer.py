@@ -19,6 +19,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dist_optim import _torch_internals as internals
+from dist_optim._optimizer_views import OptionsAndTelemetry
+from dist_optim._training_step import TrainingStep
 from dist_optim.engine._class_state import (
     class_load_state_dict,
     class_state_dict,
@@ -26,32 +28,32 @@ from dist_optim.engine._class_state import (
     forwarded_attribute,
     own_class,
 )
-from dist_optim.parallel._ddp import DDPCommHook, check_ddp, ddp_managed
 from dist_optim.engine._engine import Engine
 from dist_optim.engine._fingerprint import agreement_groups, announce_failure, check_same_options
-from dist_optim.parallel._fsdp2 import fsdp_units
 from dist_optim.engine._guards import compiled_autograd_message
 from dist_optim.engine._inputs import (
-    as_list,
+    NOT_GIVEN,
+    check_given,
     check_optimizer_class,
     check_sparse_modules,
     checked_entries,
     first_tensor,
     module_params,
+    name_in,
+    names_of,
     norm_order_of,
     param_groups_of,
+    split_group,
     warn_fused_with_uneven_scale,
 )
-from dist_optim._optimizer_views import OptionsAndTelemetry
 from dist_optim.engine._options import DEFAULT_BUCKET_CAP_MB, InBackwardOptions, options_from
 from dist_optim.engine._owners import check_unowned, record_owner, release
-from dist_optim.engine._rule import reordering_refused
+from dist_optim.engine._rule import check_group
 from dist_optim.engine._stepper import Recipe
-from dist_optim._training_step import TrainingStep
+from dist_optim.parallel._ddp import DDPCommHook, check_ddp, ddp_managed, reordering_refused
+from dist_optim.parallel._fsdp2 import fsdp_units
 
 __all__: list[str] = []
-
-_NOT_GIVEN: Any = object()  # params and optimizer_class are required; a clear error says so
 
 
 class InBackwardOptimizer(OptionsAndTelemetry, torch.optim.Optimizer):
@@ -80,59 +82,20 @@ class InBackwardOptimizer(OptionsAndTelemetry, torch.optim.Optimizer):
             A class whose step is not torch's own (pytorch-optimizer, torch-optimi, schedule-free, bitsandbytes,
             torchao, yours) is stepped on small probe tensors at construction and refused unless stepping it per
             bucket equals its own loop (docs/optimizers.md); its ``train()``/``eval()`` are forwarded.
-        bucket_cap_mb: gradient bytes, in MiB, that a bucket holds at most before it is stepped. The gradients one
-            autograd node computes together (a Linear's weight and bias) share a bucket even over the cap, since
-            they are alive together anyway (a single larger tensor forms a bucket with them alone); under FSDP2 a
-            bucket never spans two ``fully_shard`` units. Default: 4, whatever the size of the model: the peak in
-            backward is the activations alive when it starts plus at most one bucket, and a cap below the model's
-            tensors costs a step each for little memory (measured in docs/benchmarks.md, "The default bucket
-            cap"). ``float("inf")``: one bucket, stepped when backward ends (no memory saving; under FSDP2 one
-            per unit).
-        per_parameter: step each parameter on its own as soon as its gradient is ready (least memory, slowest).
-        allow_local_steps: in a multi-rank job, step plain tensors on their local, un-reduced gradients (local
-            SGD). Without it such a job is refused.
-        accumulation_steps: step on every ``accumulation_steps``-th backward only; the backwards between
-            accumulate into ``.grad`` (scale the losses yourself, as in the standard loop). See also
-            :meth:`no_step`; :meth:`step` steps whatever has accumulated (e.g. at the end of an epoch).
-        max_grad_norm: clip gradients by norm before stepping, in the way ``clip_mode`` says.
-        clip_mode: ``"exact"``: ``clip_grad_norm_`` semantics on the global norm; the gradients of the whole
-            step are held until backward ends (no memory saving, the norms are still measured as buckets complete).
-            ``"two_pass"``: the same result, keeping the memory saving, for the time of one more backward: call
-            :meth:`backward` in place of ``loss.backward()``; it measures the global norm in a first backward over
-            the retained graph (each gradient measured and freed), then clips and steps each bucket in a second.
-            ``"per_parameter"``: each tensor clipped by its own norm, stepped at once. ``"previous_norm"``: each
-            bucket clipped with the global norm of the previous step (no clipping on the first step).
-        grad_norm_type: the norm's type, as for ``clip_grad_norm_``.
-        max_grad_value: clamp every gradient element to ``[-max_grad_value, max_grad_value]``
-            (``clip_grad_value_``), after any norm clipping.
-        track_grad_norm: measure the global gradient norm every step (:attr:`grad_norm`), at the cost of one read
-            of the gradients; always on when a global-norm clipping mode is set.
+        bucket_cap_mb, per_parameter, allow_local_steps, accumulation_steps, max_grad_norm, clip_mode,
+        grad_norm_type, max_grad_value, track_grad_norm, grad_scaler, overflow, nonfinite, strict, random_draws: the
+            engine options, keyword-only, each documented under its name in :class:`~dist_optim.InBackwardOptions`
+            (``help(dist_optim.InBackwardOptions)``): the bucket cap (default 4 MiB), gradient accumulation,
+            clipping (``clip_mode="two_pass"`` keeps the memory saving that ``"exact"`` gives up), a GradScaler,
+            non-finite gradients, and random draws.
         grad_norm_order: the tensors in the order ``clip_grad_norm_`` would be given them (e.g.
             ``model.parameters()``): the global norm combines the per-tensor norms in that order, exactly as
             ``clip_grad_norm_`` does, so that norm and clipping coefficient are bitwise its own. Default: the order
             the tensors were given in (a module's parameter order when built from a module). Tensors this optimizer
             does not step are ignored; tensors it steps that are not listed come last, in their given order.
-        grad_scaler: a ``torch.amp.GradScaler`` whose ``scale(loss)`` produced the backward: gradients are
-            unscaled inside backward and checked; ``scaler.update()`` then works as usual.
-        overflow: with ``grad_scaler``: ``"exact"`` holds the step's gradients until backward ends and steps all
-            or nothing, like ``scaler.step``; ``"per_bucket"`` skips only the buckets that overflow (earlier
-            buckets keep their step) and keeps the memory saving.
-        nonfinite: without a scaler: ``"ignore"`` (the standard loop's behaviour), ``"skip"`` (buckets with a
-            non-finite gradient are not stepped, counted in :attr:`last_step`; the whole step when gradients are
-            held) or ``"raise"`` (``FloatingPointError`` naming the parameters).
         ddp_comm_hook: with a ``DistributedDataParallel`` model, the communication hook that reduces each bucket
             before it is stepped (default: DDP's mean all-reduce), e.g. torch's ``fp16_compress_hook``.
         ddp_comm_state: the state passed to ``ddp_comm_hook``.
-        strict: raise instead of warning when a loop runs several stepping backwards between two :meth:`step`
-            calls (gradient accumulation written for a standard optimizer, which steps here on every backward).
-        random_draws: ``"exact"`` (default) refuses a class whose tensors' steps draw random numbers from the
-            global streams (torchao's ``bf16_stochastic_round=True``), since stepping bucket by bucket gives each
-            tensor other draws than the standard loop's. ``"reordered"`` accepts such a class when its probes show
-            that this is the only difference: stepped one tensor at a time in the standard loop's order it is its
-            standard step bitwise, and in backward's order it draws the same numbers, the generator ending where
-            the standard loop's does. The parameters then differ from the standard loop's as two runs from
-            different seeds do (docs/optimizers.md). One process and DDP (without ``find_unused_parameters``,
-            ``static_graph`` or ignored parameters, so that every rank steps its tensors in one order) only.
         options: an :class:`~dist_optim.InBackwardOptions` holding the engine options above (from
             ``bucket_cap_mb`` to ``random_draws``) as one object, in place of those keywords, which must then be left
             out; read back as :attr:`options`.
@@ -169,8 +132,8 @@ class InBackwardOptimizer(OptionsAndTelemetry, torch.optim.Optimizer):
 
     def __init__(
         self,
-        params: Any = _NOT_GIVEN,
-        optimizer_class: type[torch.optim.Optimizer] = _NOT_GIVEN,
+        params: Any = NOT_GIVEN,
+        optimizer_class: type[torch.optim.Optimizer] = NOT_GIVEN,
         *,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         per_parameter: bool = False,
@@ -192,15 +155,7 @@ class InBackwardOptimizer(OptionsAndTelemetry, torch.optim.Optimizer):
         options: InBackwardOptions | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
-        if params is _NOT_GIVEN or optimizer_class is _NOT_GIVEN:
-            missing = " and ".join(n for n, v in (("params", params), ("optimizer_class", optimizer_class))
-                                   if v is _NOT_GIVEN)
-            raise TypeError(
-                f"InBackwardOptimizer() got no {missing}: it is built as InBackwardOptimizer(params, optimizer_class, "
-                "**options). A framework that calls a factory without arguments (HF Trainer's "
-                "optimizer_cls_and_kwargs=(functools.partial(InBackwardOptimizer, ...), ...)) needs an optimizer "
-                "class instead: dist_optim.in_backward(torch.optim.AdamW, **engine_options)"
-            )
+        check_given(params is not NOT_GIVEN, optimizer_class is not NOT_GIVEN)
         ddp = params if isinstance(params, nn.parallel.DistributedDataParallel) else None
         module = params if isinstance(params, nn.Module) else None
         groups = param_groups_of(module_params(module) if module is not None else params)
@@ -289,16 +244,7 @@ class InBackwardOptimizer(OptionsAndTelemetry, torch.optim.Optimizer):
         Args:
             param_group: as for ``torch.optim.Optimizer.add_param_group``; may carry ``"optimizer_class"``.
         """
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        group = dict(param_group)
-        cls = group.pop("optimizer_class", self._optimizer_class)
-        check_optimizer_class(cls)
-        if "params" not in group:
-            raise ValueError(f"param group {len(self.param_groups)} has no 'params' key")
-        entries = as_list(group["params"])
-        if not entries:
-            raise ValueError(f"param group {len(self.param_groups)} has an empty 'params' list")
+        cls, group, entries = split_group(param_group, len(self.param_groups), self._optimizer_class)
         existing = [p for g in self.param_groups for p in g["params"]]
         tensors = checked_entries(entries, existing, len(self.param_groups))
         self._edges.admit(tensors, existing)
@@ -306,17 +252,10 @@ class InBackwardOptimizer(OptionsAndTelemetry, torch.optim.Optimizer):
         # The class fills its own defaults and checks its options (and the tensors) now, not at the first backward.
         probe = self._recipe.fill(cls, group)
         filled = probe.param_groups[0]
-        names = filled.get("param_names") or [f"param_groups[{len(self.param_groups)}][{k}]"
-                                               for k in range(len(filled["params"]))]
-        if self.param_groups and ("param_names" in filled) != ("param_names" in self.param_groups[0]):
-            raise ValueError(
-                "all optimizer param groups should be with/without names. cannot add param group "
-                f"{'with' if 'param_names' in filled else 'without'} names to the optimizer; give every group "
-                "(name, tensor) pairs, e.g. from named_parameters(), or none"
-            )
+        names = names_of(filled, self.param_groups)
         by_id = {id(p): n for p, n in zip(filled["params"], names)}
         check_unowned(filled["params"], self, lambda p: by_id.get(id(p), "<unknown>"))
-        self._recipe.check(cls, filled)  # before anything is recorded: a refused group leaves no trace
+        check_group(self._recipe, cls, filled)  # before anything is recorded: a refused group leaves no trace
         self.state.update(probe.state)  # state some classes create at construction (Adagrad's sum)
         self.param_groups.append(filled)
         self._recipe.add_group(cls, filled)
@@ -356,12 +295,7 @@ class InBackwardOptimizer(OptionsAndTelemetry, torch.optim.Optimizer):
 
     def param_name(self, p: torch.Tensor) -> str:
         """The name of ``p`` in this optimizer (its ``param_names`` entry, else ``param_groups[g][k]``)."""
-        for gi, group in enumerate(self.param_groups):
-            for k, q in enumerate(group["params"]):
-                if q is p:
-                    names = group.get("param_names")
-                    return names[k] if names else f"param_groups[{gi}][{k}]"
-        return "<unknown>"
+        return name_in(self.param_groups, p)
 
     # -- the training step --------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, gradient: torch.Tensor | None = None, *,

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from dist_optim._torch_internals import PERFORM_REDUCE_GRAD, graph_task_id, is_schedule, n_microbatches, schedule_stages
 from dist_optim.engine._inputs import is_dtensor
 from dist_optim.engine._link import engine_of
 from dist_optim.engine._options import InBackwardOptions, engine_keywords
-from dist_optim._torch_internals import PERFORM_REDUCE_GRAD, graph_task_id, is_schedule, n_microbatches, schedule_stages
 from dist_optim.optimizer import InBackwardOptimizer
 
 __all__ = ["pipeline_optimizers"]

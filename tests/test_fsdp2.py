@@ -45,7 +45,7 @@ OPTIMIZERS = [
 
 
 class DTensorPathAdamW(torch.optim.AdamW):
-    """Not in dist_optim._shards.ELEMENTWISE (a subclass could reduce over a tensor): stepped as DTensors."""
+    """Not in dist_optim.engine._stepper.ELEMENTWISE (a subclass could reduce over a tensor): stepped as DTensors."""
 
 
 # -- comparison ---------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import dist_optim
-from dist_optim.engine._rule import is_torch_step
+from dist_optim.engine._classes import is_torch_step
 from dist_runner import RankDied
 
 STEPS = 2  # per phase: train, then resume across (a counter written at step 1 is read at step 2)

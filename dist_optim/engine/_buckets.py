@@ -1,8 +1,10 @@
-"""What the engine keeps per bucket and per backward, and :class:`Run`, what one backward does with its gradients."""
+"""What the engine keeps per bucket and per backward, :class:`Run` (what one backward does with its gradients), and
+what the engine asks of the optimizer it steps for (:class:`Owner`) and of a communication hook (:class:`Reductions`)."""
 
 from __future__ import annotations
 
 import enum
+from typing import Protocol
 
 import torch
 
@@ -78,3 +80,36 @@ class Backward:
         self.live_bytes = 0  # gradient bytes arrived in it and not yet freed
         self.peak_bytes = 0  # the most ``live_bytes`` ever was
         self.tensors_stepped = 0
+
+
+class Owner(Protocol):
+    """What the engine needs from the optimizer it steps for."""
+
+    def backward_begins(self) -> Run:
+        """Called once at the start of every backward: ``Run.STEP``, ``Run.ACCUMULATE`` (into ``.grad``) or
+        ``Run.MEASURE`` (the first backward of a two-pass step)."""
+
+    def grad_policy(self) -> GradPolicy:
+        """The policy that unscales, checks and clips the gradients of the step about to run."""
+
+    def param_name(self, p: torch.Tensor) -> str:
+        """``p``'s name, for errors."""
+
+    def step_begins(self) -> None:
+        """A training step is about to step its first bucket."""
+
+    def bucket_stepped(self, params: list[torch.Tensor]) -> None:
+        """``params`` (those of a bucket that had a gradient) were just stepped."""
+
+    def step_ends(self, stepped: bool) -> None:
+        """The backward that steps has settled every bucket; ``stepped``: whether any bucket was stepped."""
+
+
+class Reductions(Protocol):
+    """Buckets reduced by a communication hook, which settles them through :meth:`Engine.settle_reduced`."""
+
+    def reset(self) -> None:
+        """Forget the reductions of a backward that raised."""
+
+    def finish(self) -> bool:
+        """Settle every reduced bucket left; ``False``: call again from a callback queued now."""

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Protocol
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from dist_optim.engine._buckets import NO_TASK, OUTSIDE_BACKWARD, Backward, Bucket, Run
-from dist_optim.engine._grad_policy import GradPolicy
+from dist_optim._torch_internals import POST_ACCUMULATE_GRAD_HOOKS, compiled_autograd_on
+from dist_optim._torch_internals import graph_task_id as _task_id
+from dist_optim._torch_internals import queue_callback as _queue_callback
+from dist_optim.engine._buckets import NO_TASK, OUTSIDE_BACKWARD, Backward, Bucket, Owner, Reductions, Run
 from dist_optim.engine._guards import (
     TWO_PASS_MESSAGE,
     backward_frames,
@@ -27,45 +28,10 @@ from dist_optim.engine._guards import (
 from dist_optim.engine._inputs import is_dtensor
 from dist_optim.engine._learning import Learner
 from dist_optim.engine._link import LINK, Link, engine_of, grad_accumulated
+from dist_optim.engine._recovery import recover
 from dist_optim.engine._stepper import InnerOptimizer, Recipe, step_inner_optimizers
-from dist_optim._torch_internals import POST_ACCUMULATE_GRAD_HOOKS, compiled_autograd_on
-from dist_optim._torch_internals import graph_task_id as _task_id
-from dist_optim._torch_internals import queue_callback as _queue_callback
 
 __all__: list[str] = []
-
-
-class Owner(Protocol):
-    """What the engine needs from the optimizer it steps for."""
-
-    def backward_begins(self) -> Run:
-        """Called once at the start of every backward: ``Run.STEP``, ``Run.ACCUMULATE`` (into ``.grad``) or
-        ``Run.MEASURE`` (the first backward of a two-pass step)."""
-
-    def grad_policy(self) -> GradPolicy:
-        """The policy that unscales, checks and clips the gradients of the step about to run."""
-
-    def param_name(self, p: torch.Tensor) -> str:
-        """``p``'s name, for errors."""
-
-    def step_begins(self) -> None:
-        """A training step is about to step its first bucket."""
-
-    def bucket_stepped(self, params: list[torch.Tensor]) -> None:
-        """``params`` (those of a bucket that had a gradient) were just stepped."""
-
-    def step_ends(self, stepped: bool) -> None:
-        """The backward that steps has settled every bucket; ``stepped``: whether any bucket was stepped."""
-
-
-class Reductions(Protocol):
-    """Buckets reduced by a communication hook, which settles them through :meth:`Engine.settle_reduced`."""
-
-    def reset(self) -> None:
-        """Forget the reductions of a backward that raised."""
-
-    def finish(self) -> bool:
-        """Settle every reduced bucket left; ``False``: call again from a callback queued now."""
 
 
 class Engine:
@@ -137,6 +103,14 @@ class Engine:
         """Rebuild every bucket's inner optimizers after the owner's groups or state were replaced."""
         for b in (*self.buckets, *self.comm_buckets.values()):
             b.inners = self._inner_optimizers(b.indices)
+
+    def close_learned(self, indices: list[int], bw: Backward) -> None:
+        """The learner closed a bucket of ``indices``, all of whose gradients arrived in ``bw``: settle it."""
+        b = self.new_bucket(indices)
+        for i in indices:
+            self.bucket_of[i] = b
+        self.buckets.append(b)
+        self.settle(b, bw, complete=True)
 
     def new_bucket(self, indices: list[int]) -> Bucket:
         return Bucket(indices, [self.params[i] for i in indices], self._inner_optimizers(indices),
@@ -236,7 +210,7 @@ class Engine:
         if tid == last.previous_task or nested:
             refuse_nested_backward()
         if not last.ended:
-            self._recover(last, first)
+            recover(last, first, self.params, self.buckets, self.bucket_of, self.owner.param_name)
         if compiled_autograd_on():  # after _recover: what an unfinished backward left is dropped first
             self._refuse(tid, last, first, compiled_autograd_message())
         if self.reductions is not None:
@@ -284,43 +258,6 @@ class Engine:
         keeps and steps all of its own gradients (it would otherwise drop its first tensor's, which it cannot tell
         from a stale one)."""
         self.backward.cleared = True
-
-    def _recover(self, last: Backward, first: int | None) -> None:
-        """The backward ``last`` never reached its end (it raised, was interrupted, or its callback was lost): its
-        partial buckets are forgotten and, if it stepped, the gradients it left are dropped, so that this backward
-        does not step on them. ``first``'s gradient already holds this backward's part too: dropped if it may
-        hold a stale one."""
-        mixed = last.run.steps and not last.cleared and first is not None and (
-            first in last.learning or any(first in b.indices for b, _ in last.held)
-            or (self.bucket_of[first] is not None and _was_partial(self.bucket_of[first], last))
-        )
-        for b in self.buckets:
-            b.arrived = 0
-        if not last.run.steps:
-            return  # a micro-batch that only accumulates: as in the standard loop, .grad keeps what it got
-        dropped = 0
-        for i, p in enumerate(self.params):
-            if p.grad is not None and not last.cleared and (i != first or mixed):
-                p.grad = None
-                dropped += 1
-        if not (dropped or last.tensors_stepped):
-            return
-        stepped = (
-            f"{last.tensors_stepped} tensors had already been stepped on its batch and the others not "
-            "(opt.step_incomplete is True: the model holds a half-applied step; to recover exactly, reload the last "
-            "checkpoint), and " if last.tensors_stepped else ""
-        )
-        first_note = (
-            f" (including {self.owner.param_name(self.params[first])}, whose gradient from this backward had been "
-            "added onto its stale one, so it is not stepped in this one)" if mixed else ""
-        )
-        warnings.warn(
-            f"the previous backward did not finish (it raised or was interrupted before its end): {stepped}"
-            f"{dropped} tensors' gradients left from it were dropped{first_note}, so that this backward does not "
-            "step on them. See docs/limitations.md, 'A backward that raises'",
-            RuntimeWarning,
-            stacklevel=4,
-        )
 
     # -- settling: the one rule for every bucket ----------------------------------------------------------------
     def settle(self, b: Bucket, bw: Backward, complete: bool = False) -> None:
@@ -470,8 +407,3 @@ class _Window:
             engine._end_of_backward(OUTSIDE_BACKWARD)
         else:
             engine.backward.task = NO_TASK
-
-
-def _was_partial(b: Bucket, last: Backward) -> bool:
-    """Whether ``b`` was left half-arrived (or held) by ``last``, a backward that did not end."""
-    return b.arrived > 0 or any(b is held for held, _ in last.held)

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dist_optim.engine._classes import hyperparameters
 from dist_optim.engine._inputs import is_dtensor
-from dist_optim.engine._stepper import hyperparameters
 
 __all__: list[str] = []
 

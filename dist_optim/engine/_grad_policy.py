@@ -18,8 +18,6 @@ from typing import Any
 
 import torch
 
-from dist_optim.engine._inputs import is_dtensor
-from dist_optim.engine._options import InBackwardOptions
 from dist_optim._torch_internals import (
     amp_unscale_,
     foreach_norm,
@@ -28,6 +26,8 @@ from dist_optim._torch_internals import (
     mark_unscaled,
     scaler_scale,
 )
+from dist_optim.engine._inputs import is_dtensor
+from dist_optim.engine._options import InBackwardOptions
 
 __all__: list[str] = []
 

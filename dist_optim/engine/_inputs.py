@@ -19,7 +19,23 @@ from dist_optim import _torch_internals as internals
 
 __all__: list[str] = []
 
-logger = logging.getLogger("dist_optim.optimizer")
+logger = logging.getLogger(__name__)
+
+
+NOT_GIVEN: Any = object()  # InBackwardOptimizer's params and optimizer_class are required; a clear error says so
+
+
+def check_given(params: bool, optimizer_class: bool) -> None:
+    """Refuse ``InBackwardOptimizer()`` called without ``params`` or ``optimizer_class`` (whether each was given)."""
+    if params and optimizer_class:
+        return
+    missing = " and ".join(n for n, given in (("params", params), ("optimizer_class", optimizer_class)) if not given)
+    raise TypeError(
+        f"InBackwardOptimizer() got no {missing}: it is built as InBackwardOptimizer(params, optimizer_class, "
+        "**options). A framework that calls a factory without arguments (HF Trainer's "
+        "optimizer_cls_and_kwargs=(functools.partial(InBackwardOptimizer, ...), ...)) needs an optimizer "
+        "class instead: dist_optim.in_backward(torch.optim.AdamW, **engine_options)"
+    )
 
 
 def check_optimizer_class(optimizer_class: Any) -> None:
@@ -239,3 +255,38 @@ def warn_fused_with_uneven_scale(scaler: Any, kernels: list[dict[str, Any]], gro
             stacklevel=3,
         )
 
+
+def split_group(param_group: Any, index: int, default_class: type) -> tuple[type, dict[str, Any], list[Any]]:
+    """The class, the group without it, and the entries of ``param_group``, the ``index``-th group added."""
+    if not isinstance(param_group, dict):
+        raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+    group = dict(param_group)
+    cls = group.pop("optimizer_class", default_class)
+    check_optimizer_class(cls)
+    if "params" not in group:
+        raise ValueError(f"param group {index} has no 'params' key")
+    entries = as_list(group["params"])
+    if not entries:
+        raise ValueError(f"param group {index} has an empty 'params' list")
+    return cls, group, entries
+
+
+def names_of(filled: dict[str, Any], groups: list[dict[str, Any]]) -> list[str]:
+    """The names of a group ``filled`` in by its class, to be added after ``groups``; all groups named or none."""
+    if groups and ("param_names" in filled) != ("param_names" in groups[0]):
+        raise ValueError(
+            "all optimizer param groups should be with/without names. cannot add param group "
+            f"{'with' if 'param_names' in filled else 'without'} names to the optimizer; give every group "
+            "(name, tensor) pairs, e.g. from named_parameters(), or none"
+        )
+    return filled.get("param_names") or [f"param_groups[{len(groups)}][{k}]" for k in range(len(filled["params"]))]
+
+
+def name_in(groups: list[dict[str, Any]], p: torch.Tensor) -> str:
+    """``p``'s name in ``groups`` (its ``param_names`` entry, else ``param_groups[g][k]``)."""
+    for gi, group in enumerate(groups):
+        for k, q in enumerate(group["params"]):
+            if q is p:
+                names = group.get("param_names")
+                return names[k] if names else f"param_groups[{gi}][{k}]"
+    return "<unknown>"

@@ -10,19 +10,33 @@ roots, to find those nodes, and a model compiled whole (every gradient from one 
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from dist_optim._torch_internals import FORWARD_CLS, is_fake
 from dist_optim.engine._buckets import Backward
 from dist_optim.engine._guards import REENTRANT_CHECKPOINT
 from dist_optim.engine._inputs import is_dtensor
-from dist_optim._torch_internals import FORWARD_CLS, is_fake
-
-if TYPE_CHECKING:
-    from dist_optim.engine._engine import Engine
 
 __all__: list[str] = []
+
+
+class Host(Protocol):
+    """What the learner reads of the engine it learns for, and the two calls it makes back."""
+
+    params: list[torch.Tensor]
+    nbytes: list[int]  # per parameter: its (local) gradient's bytes
+    index_of: dict[int, int]  # id(param) -> index
+    cap_bytes: int
+    per_parameter: bool
+    sparse: set[int]  # the learner adds the parameters whose gradients it finds sparse
+
+    def check_later_hooks(self, i: int, bw: Backward) -> None:
+        """Parameter ``i`` completes a bucket inside its own hook: name a hook registered after it (once)."""
+
+    def close_learned(self, indices: list[int], bw: Backward) -> None:
+        """Build, record and settle the bucket of ``indices``, all of whose gradients arrived in ``bw``."""
 
 
 class Learner:
@@ -30,7 +44,7 @@ class Learner:
 
     __slots__ = ("engine", "graph_read", "at_once_bytes", "computed_with")
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Host) -> None:
         self.engine = engine
         self.graph_read = False  # whether the gradients' producers were looked at (once, in a stepping backward)
         self.at_once_bytes = 0  # gradient bytes that one autograd node hands over at once (whole-model compile)
@@ -62,11 +76,7 @@ class Learner:
         indices = bw.learning[:len(bw.learning) - carry]
         bw.learning = bw.learning[len(indices):]
         bw.learning_bytes = sum(engine.nbytes[j] for j in bw.learning)
-        b = engine.new_bucket(indices)
-        for i in indices:
-            engine.bucket_of[i] = b
-        engine.buckets.append(b)
-        engine.settle(b, bw, complete=True)  # every gradient of a learned bucket arrived in this backward
+        engine.close_learned(indices, bw)  # every gradient of a learned bucket arrived in this backward
 
     def _computed_with_last(self, learning: list[int], i: int) -> int:
         """How many of the last tensors learned were computed by the same autograd node as ``i``. Their gradients

@@ -28,13 +28,60 @@ RANDOM_DRAW_MODES = ("exact", "reordered")
 
 @dataclass(frozen=True)
 class InBackwardOptions:
-    """Every engine option of :class:`~dist_optim.InBackwardOptimizer`, each documented there under its keyword.
+    """Every engine option of :class:`~dist_optim.InBackwardOptimizer`, each a keyword of it, documented here.
 
     Read it from ``opt.options``; give one as ``InBackwardOptimizer(params, cls, options=...)`` in place of the
     keywords (to share one set of options between optimizers); change it with ``dataclasses.replace`` (the copy is
     checked again). ``grad_divisor`` is the one option without a keyword: ``dist_optim.pipeline_optimizers`` sets it
     to the schedule's number of micro-batches, whose mean the schedule takes by dividing each gradient (``x / n``,
     which differs from ``x * (1 / n)`` in the last bit).
+
+    Attributes:
+        bucket_cap_mb: gradient bytes, in MiB, that a bucket holds at most before it is stepped. The gradients one
+            autograd node computes together (a Linear's weight and bias) share a bucket even over the cap, since
+            they are alive together anyway (a single larger tensor forms a bucket with them alone); under FSDP2 a
+            bucket never spans two ``fully_shard`` units. Default: 4, whatever the size of the model: the peak in
+            backward is the activations alive when it starts plus at most one bucket, and a cap below the model's
+            tensors costs a step each for little memory (measured in docs/benchmarks.md, "The default bucket
+            cap"). ``float("inf")``: one bucket, stepped when backward ends (no memory saving; under FSDP2 one
+            per unit).
+        per_parameter: step each parameter on its own as soon as its gradient is ready (least memory, slowest).
+        allow_local_steps: in a multi-rank job, step plain tensors on their local, un-reduced gradients (local
+            SGD). Without it such a job is refused.
+        accumulation_steps: step on every ``accumulation_steps``-th backward only; the backwards between
+            accumulate into ``.grad`` (scale the losses yourself, as in the standard loop). See also
+            :meth:`no_step`; :meth:`step` steps whatever has accumulated (e.g. at the end of an epoch).
+        max_grad_norm: clip gradients by norm before stepping, in the way ``clip_mode`` says.
+        clip_mode: ``"exact"``: ``clip_grad_norm_`` semantics on the global norm; the gradients of the whole
+            step are held until backward ends (no memory saving, the norms are still measured as buckets complete).
+            ``"two_pass"``: the same result, keeping the memory saving, for the time of one more backward: call
+            :meth:`backward` in place of ``loss.backward()``; it measures the global norm in a first backward over
+            the retained graph (each gradient measured and freed), then clips and steps each bucket in a second.
+            ``"per_parameter"``: each tensor clipped by its own norm, stepped at once. ``"previous_norm"``: each
+            bucket clipped with the global norm of the previous step (no clipping on the first step).
+        grad_norm_type: the norm's type, as for ``clip_grad_norm_``.
+        max_grad_value: clamp every gradient element to ``[-max_grad_value, max_grad_value]``
+            (``clip_grad_value_``), after any norm clipping.
+        track_grad_norm: measure the global gradient norm every step (:attr:`grad_norm`), at the cost of one read
+            of the gradients; always on when a global-norm clipping mode is set.
+        grad_scaler: a ``torch.amp.GradScaler`` whose ``scale(loss)`` produced the backward: gradients are
+            unscaled inside backward and checked; ``scaler.update()`` then works as usual.
+        overflow: with ``grad_scaler``: ``"exact"`` holds the step's gradients until backward ends and steps all
+            or nothing, like ``scaler.step``; ``"per_bucket"`` skips only the buckets that overflow (earlier
+            buckets keep their step) and keeps the memory saving.
+        nonfinite: without a scaler: ``"ignore"`` (the standard loop's behaviour), ``"skip"`` (buckets with a
+            non-finite gradient are not stepped, counted in :attr:`last_step`; the whole step when gradients are
+            held) or ``"raise"`` (``FloatingPointError`` naming the parameters).
+        strict: raise instead of warning when a loop runs several stepping backwards between two :meth:`step`
+            calls (gradient accumulation written for a standard optimizer, which steps here on every backward).
+        random_draws: ``"exact"`` (default) refuses a class whose tensors' steps draw random numbers from the
+            global streams (torchao's ``bf16_stochastic_round=True``), since stepping bucket by bucket gives each
+            tensor other draws than the standard loop's. ``"reordered"`` accepts such a class when its probes show
+            that this is the only difference: stepped one tensor at a time in the standard loop's order it is its
+            standard step bitwise, and in backward's order it draws the same numbers, the generator ending where
+            the standard loop's does. The parameters then differ from the standard loop's as two runs from
+            different seeds do (docs/optimizers.md). One process and DDP (without ``find_unused_parameters``,
+            ``static_graph`` or ignored parameters, so that every rank steps its tensors in one order) only.
 
     Raises:
         ValueError: an option is out of range or of the wrong kind; the message names it and what it accepts.

@@ -11,18 +11,26 @@ which ``random_draws="reordered"`` accepts.
 
 from __future__ import annotations
 
-import contextlib
 import random
 import sys
 import types
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from dist_optim.engine._inputs import is_dtensor
 from dist_optim._torch_internals import LR_SCHEDULER_STEP_MARK
+from dist_optim.engine._classes import (
+    MODE_SWITCHES,
+    hyperparameters,
+    is_torch_step,
+    no_rng,
+    switch_mode,
+    unwrapped_step,
+)
+from dist_optim.engine._inputs import is_dtensor
+from dist_optim.engine._stepper import Recipe, step_inner_optimizers
 
 __all__: list[str] = []
 
@@ -33,42 +41,6 @@ PROBE_GRAD_SCALES = (1e-3, 1.0, 1e2)  # per probe tensor: a statistic over the g
 # and the difference shows in the bits where gradients of one scale would hide it
 PROBE_DIM = 6  # each dimension of a probe is min(the parameter's, this): small, and above the ranks of factored
 # classes' defaults (Adafactor-style row/column factors, Muon's 2-D test)
-
-
-def is_torch_step(cls: type[torch.optim.Optimizer]) -> bool:
-    """Whether ``cls`` steps with a ``torch.optim`` class's own step (torch's classes and subclasses that keep it):
-    those are elementwise per tensor and write nothing into their groups, and the project picks their kernel."""
-    step = getattr(cls.step, "__wrapped__", cls.step)
-    return getattr(step, "__module__", "").startswith("torch.optim.")
-
-
-@contextlib.contextmanager
-def no_rng(like: list[torch.Tensor]) -> Iterator[None]:
-    """Leave the global random streams as they were (torch's, Python's ``random``, numpy's where imported: classes
-    draw from each, e.g. Kron's preconditioner updates): a probe must not shift a user's random draws."""
-    devices = sorted({t.device.index or 0 for t in like if t.device.type == "cuda"})
-    python = random.getstate()
-    numpy = sys.modules.get("numpy")
-    numpy_state = numpy.random.get_state() if numpy is not None else None
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        random.setstate(python)
-        if numpy_state is not None:
-            numpy.random.set_state(numpy_state)
-
-
-MODE_SWITCHES = ("train", "eval")  # methods forwarded to the class over the facade's groups (schedule-free)
-
-
-def switch_mode(cls: type[torch.optim.Optimizer], name: str, groups: list[dict[str, Any]], state: Any,
-                defaults: dict[str, Any]) -> None:
-    """Run ``cls``'s own ``train()``/``eval()`` on ``groups`` and ``state`` (the facade's: one copy of each), as
-    the class's standard loop would on its own groups: it may move the parameters and write its groups' keys."""
-    shell = cls.__new__(cls)
-    shell.__dict__.update(defaults=defaults, state=state, param_groups=groups)
-    getattr(cls, name)(shell)
 
 
 def check_bucketable(
@@ -133,6 +105,12 @@ _OWN_ATTRIBUTE = "it keeps state in its own attribute"
 REORDERED = "its tensors' steps differ only by the random draws each gets"  # what _compare found, by identity
 
 
+def check_group(recipe: Recipe, cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> None:
+    """Refuse a group that ``recipe`` would step with ``cls`` but ``cls`` cannot step one bucket at a time."""
+    one_step = recipe.one_step and not any(is_dtensor(p) for p in group["params"])
+    check_bucketable(cls, group, recipe.kwargs_for(cls), one_step, recipe.random_draws, recipe.reordering_refused)
+
+
 def _check_reordered(name: str, random_draws: str, reordering_refused: str | None,
                      tensors: list[torch.Tensor]) -> None:
     """Accept a class whose per-bucket step differs from its own loop only by which tensor gets which draws, where
@@ -162,28 +140,6 @@ def _check_reordered(name: str, random_draws: str, reordering_refused: str | Non
         )
 
 
-def reordering_refused(ddp: Any) -> str | None:
-    """Why random draws reordered per bucket would differ across the ranks of ``ddp`` (a DDP model, or ``None``),
-    else ``None``: DDP's communication hook steps its buckets in DDP's order on every rank, but a bucket with a
-    parameter unused on one rank waits for DDP's finalize there only, and a parameter DDP ignores is stepped when
-    its own gradient arrives, between buckets whose reductions may or may not be done by then."""
-    if ddp is None:
-        return None
-    if ddp.find_unused_parameters or ddp.static_graph:
-        return ("with DDP(find_unused_parameters=True) or static_graph=True, a bucket holding a parameter unused "
-                "on one rank is stepped after the others on that rank only. Use DDP without them, or a standard "
-                "training loop")
-    from dist_optim.parallel._ddp import ddp_managed
-
-    managed = ddp_managed(ddp)
-    ignored = [n for n, p in ddp.module.named_parameters() if p.requires_grad and id(p) not in managed]
-    if ignored:
-        return (f"{ignored[0]!r} and {len(ignored) - 1} more are parameters DDP ignores, stepped when their "
-                "gradient arrives, between DDP's buckets at points that depend on when each reduction completes. "
-                "Give those parameters to another optimizer, or use a standard training loop")
-    return None
-
-
 def _compare(cls: type[torch.optim.Optimizer], group: dict[str, Any], kwargs: dict[str, Any],
              like: list[torch.Tensor], split: bool) -> str | None:
     """``None`` if the standard step and the per-tensor step agree bitwise on probes, :data:`REORDERED` if they
@@ -199,8 +155,6 @@ def _compare(cls: type[torch.optim.Optimizer], group: dict[str, Any], kwargs: di
     standard step bitwise too (a tensor's step depends on its own gradient and state and on the streams'
     position, nothing else). The plain per-bucket run must also leave the streams where the standard loop does
     (the same number of draws)."""
-    from dist_optim.engine._stepper import hyperparameters, unwrapped_step
-
     options = hyperparameters(group)
     shapes = [_probe_shape(like[k % len(like)]) for k in range(PROBE_TENSORS)]
     kind = like[0]
@@ -284,8 +238,6 @@ class _PerTensor:
 
     def __init__(self, cls: type[torch.optim.Optimizer], options: dict[str, Any], kwargs: dict[str, Any],
                  params: list[torch.Tensor], defaults: dict[str, Any], modes: list[str], order: list[int]) -> None:
-        from dist_optim.engine._stepper import Recipe
-
         self.cls, self.params, self.defaults, self.modes, self.order = cls, params, defaults, modes, order
         built = cls([{**options, "params": params}], **kwargs)  # as add_param_group fills a group
         self.group = built.param_groups[0]
@@ -298,8 +250,6 @@ class _PerTensor:
             switch_mode(cls, "train", self.owner.param_groups, self.owner.state, defaults)
 
     def step(self, step_grads: list[torch.Tensor], kind: torch.Tensor, before: Callable[[int], None]) -> None:
-        from dist_optim.engine._stepper import step_inner_optimizers
-
         for p, g in zip(self.params, step_grads):
             p.grad = _as_kind(g.clone(), kind)
         started: dict[int, dict[str, Any]] = {}
@@ -326,8 +276,6 @@ class _PerTensor:
         diff = _differs(extra_ref, extra)
         if diff:
             return f"it keeps state {diff!r} outside its tensors' entries, which advances once per bucket"
-        from dist_optim.engine._stepper import hyperparameters
-
         diff = _differs(hyperparameters(ref.param_groups[0]), hyperparameters(self.group))
         if diff:
             return f"its param group's {diff!r} depends on which tensors a step() call sees"

@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from dist_optim.engine._inputs import is_dtensor
-from dist_optim.engine._rule import check_bucketable, is_torch_step, no_rng
+from dist_optim._torch_internals import LOCAL_TENSOR, local_tensor
+from dist_optim.engine._classes import hyperparameters, is_torch_step, no_rng, unwrapped_step
 from dist_optim.engine._direct_steps import (
     FUSED_ADAM,
     FusedAdamStep,
@@ -29,7 +29,7 @@ from dist_optim.engine._direct_steps import (
     torchao_adam_function,
     torchao_version,
 )
-from dist_optim._torch_internals import LOCAL_TENSOR, local_tensor, unwrap_profiled_step
+from dist_optim.engine._inputs import is_dtensor
 
 __all__: list[str] = []
 
@@ -39,17 +39,6 @@ ELEMENTWISE = frozenset({
     torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD,
     torch.optim.Rprop,
 })
-
-
-def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
-    """A param group's options, without its tensors and their names."""
-    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
-
-
-def unwrapped_step(optimizer_class: type[torch.optim.Optimizer]) -> Callable[..., Any]:
-    """``optimizer_class.step`` without torch's profiling wrapper, whose global step hooks must fire once per
-    training step with the facade as argument, never once per bucket with an inner optimizer."""
-    return unwrap_profiled_step(optimizer_class.step)
 
 
 class GroupLink(NamedTuple):
@@ -153,11 +142,6 @@ class Recipe:
                     raise  # torch's classes build on any tensor: the error is the user's options'
             mine = [g for g in groups if not (isinstance(g, dict) and "optimizer_class" in g)]
             return dict(self.optimizer_class(mine, **self.kwargs).defaults)
-
-    def check(self, cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> None:
-        """Refuse a group ``cls`` cannot step one bucket at a time (:func:`dist_optim.engine._rule.check_bucketable`)."""
-        one_step = self.one_step and not any(is_dtensor(p) for p in group["params"])
-        check_bucketable(cls, group, self.kwargs_for(cls), one_step, self.random_draws, self.reordering_refused)
 
     def fill(self, cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> torch.optim.Optimizer:
         """An optimizer over ``group`` alone: ``cls`` fills in its defaults and checks its options and tensors."""

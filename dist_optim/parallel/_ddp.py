@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_optim.engine._engine import Engine
 from dist_optim._torch_internals import ddp_rebuilt_buckets, has_local_used_map, local_used_map, skip_grad_writeback
+from dist_optim.engine._engine import Engine
 
 __all__: list[str] = []
 
@@ -211,3 +211,23 @@ class DDPCommHook:
         self.pending.clear()
         self.deferred.clear()
         self.requeued = False
+
+
+def reordering_refused(ddp: Any) -> str | None:
+    """Why random draws reordered per bucket would differ across the ranks of ``ddp`` (a DDP model, or ``None``),
+    else ``None``: DDP's communication hook steps its buckets in DDP's order on every rank, but a bucket with a
+    parameter unused on one rank waits for DDP's finalize there only, and a parameter DDP ignores is stepped when
+    its own gradient arrives, between buckets whose reductions may or may not be done by then."""
+    if ddp is None:
+        return None
+    if ddp.find_unused_parameters or ddp.static_graph:
+        return ("with DDP(find_unused_parameters=True) or static_graph=True, a bucket holding a parameter unused "
+                "on one rank is stepped after the others on that rank only. Use DDP without them, or a standard "
+                "training loop")
+    managed = ddp_managed(ddp)
+    ignored = [n for n, p in ddp.module.named_parameters() if p.requires_grad and id(p) not in managed]
+    if ignored:
+        return (f"{ignored[0]!r} and {len(ignored) - 1} more are parameters DDP ignores, stepped when their "
+                "gradient arrives, between DDP's buckets at points that depend on when each reduction completes. "
+                "Give those parameters to another optimizer, or use a standard training loop")
+    return None

@@ -20,9 +20,9 @@ import torch
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from dist_optim._torch_internals import FSDP_FLATTENED, flat_parameter_class
 from dist_optim.engine._inputs import check_optimizer_class, check_tensor, is_dtensor
 from dist_optim.engine._owners import check_unowned, record_owner
-from dist_optim._torch_internals import FSDP_FLATTENED, flat_parameter_class
 
 __all__: list[str] = []
 
