@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from dist_optim._planner._fsdp2 import local
+
 __all__: list[str] = []
 
 NO_FAKE_STEP = ("torchao.", "bitsandbytes.")  # the modules whose optimizers' steps cannot run on fake tensors
@@ -101,10 +103,11 @@ def stand_in(cls: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any])
                 for p in group["params"]:
                     if p.grad is None:
                         continue
+                    mine = local(p)  # a sharded parameter's local shard: what the class steps on this rank
                     if not self.state[p]:
-                        n = state_bytes(cls, kwargs, p.numel(), p.dtype)
-                        self.state[p]["state"] = torch.zeros(n, dtype=torch.uint8, device=p.device)
-                    temporaries = torch.empty(step_bytes(cls, p), dtype=torch.uint8, device=p.device)
+                        n = state_bytes(cls, kwargs, mine.numel(), mine.dtype)
+                        self.state[p]["state"] = torch.zeros(n, dtype=torch.uint8, device=mine.device)
+                    temporaries = torch.empty(step_bytes(cls, mine), dtype=torch.uint8, device=mine.device)
                     del temporaries
 
     StandIn.__name__ = StandIn.__qualname__ = f"{cls.__name__}StandIn"
