@@ -76,11 +76,11 @@ def _class(path: str, flag: str = "--model") -> Any:
     return obj
 
 
-def _json(text: str, flag: str) -> dict[str, Any]:
+def _json(text: str, flag: str, fix: str = "give a JSON object, e.g. '{\"vocab_size\": 256}'") -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise Refused(f"{flag}: malformed JSON ({e}); give an object, e.g. '{{\"vocab_size\": 256}}'") from e
+        raise Refused(f"{flag}: malformed JSON ({e}); {fix}") from e
     if not isinstance(value, dict):
         raise Refused(f"{flag}: expected a JSON object, got {type(value).__name__}")
     return value
@@ -96,7 +96,7 @@ def _hf_config(path: str) -> Any:
     if not os.path.isfile(file):
         raise Refused(f"--hf-config {path}: no such file; give a config.json or the folder that holds it")
     with open(file) as f:
-        _json(f.read(), f"--hf-config {file}")
+        _json(f.read(), f"--hf-config {file}", "give a model's config.json as transformers writes it")
     try:
         return transformers.AutoConfig.from_pretrained(file)
     except (ValueError, OSError, KeyError) as e:
