@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +24,8 @@ import torch
 from dist_optim._planner._fsdp2 import local
 
 __all__: list[str] = []
+
+logger = logging.getLogger(__name__)
 
 NO_FAKE_STEP = ("torchao.", "bitsandbytes.")  # the modules whose optimizers' steps cannot run on fake tensors
 _ALIGN = 4096  # a multiple of every block size (torchao 128 / 256, bitsandbytes 256) and their small-size cut
@@ -74,6 +77,7 @@ def state_bytes(cls: type, kwargs: tuple[tuple[str, Any], ...], numel: int, dtyp
     """The state bytes of a parameter of ``numel`` elements: measured where it is small, else extrapolated from two
     probes of the same residue modulo _ALIGN (exact: linear in the number of blocks)."""
     kw = dict(kwargs)
+    logger.info("stepping %s on real parameters to read its state for %d elements", cls.__name__, numel)
 
     def real(n: int) -> int:  # on a thread of its own: none of the planner's modes (fake tensors, traces) there
         with concurrent.futures.ThreadPoolExecutor(1) as pool:

@@ -11,6 +11,7 @@ workspace scaled by the batch (oneDNN's reorders hold whole operands: linear in 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import tempfile
@@ -23,6 +24,8 @@ from torch.profiler import ProfilerActivity, profile
 from dist_optim._torch_internals import tree_iter, unset_fake_temporarily
 
 __all__: list[str] = []
+
+logger = logging.getLogger(__name__)
 
 LIMIT_BYTES = 256 * 2**20  # the most bytes of real operands a calibration allocates
 _OPS = ("aten::convolution", "aten::convolution_backward")  # on CPU; CUDA's cuDNN workspaces: not calibrated
@@ -100,6 +103,8 @@ class Workspaces:
         batch = max(1, full * LIMIT_BYTES // max(1, nbytes)) if nbytes > LIMIT_BYTES else None
         if batch is not None:
             self.scaled += 1
+        logger.info("running %s once for real on %s to calibrate what it allocates inside%s", func.name(),
+                    " x ".join(str(tuple(t.shape)) for t in tensors), "" if batch is None else f" (batch {batch})")
         # the batch dimension is the first of the operands that carry one: the input, and the output's gradient
         batched = {0, 1} if func.name() == "aten::convolution_backward" else {0}
         with unset_fake_temporarily(), torch.no_grad():
