@@ -59,6 +59,10 @@ POST_ACCUMULATE_GRAD_HOOKS = "_post_accumulate_grad_hooks"
 # and its local holding the tensors the backward starts from): the nested/reentrant-backward refusal and the
 # retained-graph guard find the running backward and its roots on the stack. Public: none yet.
 ENGINE_RUN_BACKWARD = ("_engine_run_backward", os.path.join("autograd", "graph.py"), "t_outputs")
+# Where that frame holds the backward's retain_graph: torch.autograd.backward and torch.autograd.grad pass it as the
+# second of the positional arguments after the roots. The guard of a retained graph that stepped reads it, to mark
+# the graph's nodes only when the graph outlives the backward. Public: none yet.
+ENGINE_RUN_BACKWARD_RETAIN_GRAPH = ("args", 1)
 
 # The frame of ``BackwardCFunction.apply``, which runs an autograd Function's backward: a backward entry above it on
 # the stack is a backward inside a backward (a reentrant checkpoint). Public: none yet.

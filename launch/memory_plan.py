@@ -27,9 +27,10 @@ from .corpus import VOCAB_SIZE
 from .gpt import from_config, loss_fn
 from .optimizers import OPTIMIZERS, check_parallel, optimizer_class, optimizer_kwargs
 from .pipeline import MICROBATCHES, SCHEDULE, check_pipeline, gpt_stage
-from .runtime import LaunchError, Runtime, resolve_parallel
+from .runtime import LaunchError, Runtime
 from .tensor_parallel import TENSOR_PARALLEL, batch_split, check_tp, tensor_parallel
 from .train_config import MODEL_SHAPE, TrainConfig
+from .wrapping import resolve_parallel
 
 __all__ = ["PlannedJob", "plan_arguments", "plan_memory", "planned_job"]
 

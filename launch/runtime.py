@@ -1,4 +1,4 @@
-"""Where the run executes: process group, device and threads from torchrun's environment, and the model wrapper.
+"""Where the run executes: process group, device and threads from torchrun's environment, signals, errors.
 
 CPU processes talk over gloo; when CUDA is present each process takes ``cuda:LOCAL_RANK`` and NCCL. Without
 torchrun's variables the run is a single plain process with no process group.
@@ -6,7 +6,6 @@ torchrun's variables the run is a single plain process with no process group.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import gc
 import os
@@ -16,9 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-__all__ = ["LaunchError", "Runtime", "TermSignal", "start", "stop", "wrap"]
+__all__ = ["LaunchError", "Runtime", "TermSignal", "start", "stop"]
 
 
 class LaunchError(ValueError):
@@ -111,47 +109,3 @@ def stop(rt: Runtime) -> None:
         gc.collect()
         dist.barrier()
         dist.destroy_process_group()
-
-
-def resolve_parallel(parallel: str, rt: Runtime) -> str:
-    if parallel == "auto":
-        return "fsdp2" if rt.world > 1 else "none"
-    if parallel == "none" and rt.world > 1:
-        raise LaunchError(
-            f"--parallel none with {rt.world} processes would train {rt.world} unrelated models; use fsdp2 or ddp"
-        )
-    if parallel != "none" and not rt.distributed:
-        raise LaunchError(f"--parallel {parallel} needs a process group: launch with torchrun")
-    return parallel
-
-
-def wrap(model: nn.Module, parallel: str, rt: Runtime, tp_size: int = 0) -> nn.Module:
-    """``model`` on the run's device, wrapped for ``parallel`` (``fsdp2``: each block, then the root; ``tp``,
-    ``fsdp2+tp``: :func:`launch.tensor_parallel.parallelize` over ``tp_size`` ranks)."""
-    model.to(rt.device)
-    if parallel in ("tp", "fsdp2+tp"):
-        from .tensor_parallel import parallelize
-
-        return parallelize(model, parallel, rt, tp_size)
-    if parallel == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh(rt.device.type, (rt.world,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model
-    if parallel == "ddp":
-        ids = [rt.device.index] if rt.device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
-    return model
-
-
-def sync_context(model: nn.Module, parallel: str, last: bool):
-    """The context of one micro-batch's backward: gradient reduction only on the last micro-batch."""
-    if parallel == "ddp" and not last:
-        return model.no_sync()
-    if parallel in ("fsdp2", "fsdp2+tp"):
-        model.set_requires_gradient_sync(last)
-    return contextlib.nullcontext()

@@ -107,12 +107,13 @@ from .corpus import Corpus
 from .memory_plan import plan_memory
 from .optimizers import optimizer_class
 from .pipeline import PIPELINED, check_pipeline, stage_group, stage_of
-from .run_log import RunLog
 from .run_dir import plan_run, write_config
-from .runtime import LaunchError, Runtime, TermSignal, resolve_parallel, start, stop
+from .run_log import RunLog
+from .runtime import LaunchError, Runtime, TermSignal, start, stop
 from .tensor_parallel import check_tp
 from .train_config import TrainConfig, parse_config
 from .train_loop import Job
+from .wrapping import resolve_parallel
 
 log = logging.getLogger("train")
 

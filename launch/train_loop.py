@@ -21,11 +21,18 @@ import dist_optim
 
 from .corpus import VOCAB_SIZE, Corpus
 from .gpt import from_config, loss_fn
-from .optimizers import check_parallel, optimizer_class, optimizer_kwargs, param_groups, standard_optimizer
+from .optimizers import (
+    check_parallel,
+    optimizer_class,
+    optimizer_kwargs,
+    param_groups,
+    standard_optimizer,
+)
 from .pipeline import PIPELINED, build_pipeline, run_schedule
-from .runtime import LaunchError, Runtime, sync_context, wrap
+from .runtime import LaunchError, Runtime
 from .tensor_parallel import batch_split, check_tp, data_parallel
 from .train_config import TrainConfig
+from .wrapping import sync_context, wrap
 
 __all__ = ["Job", "StepResult"]
 

@@ -287,3 +287,47 @@ def test_compiled_autograd_is_refused_before_anything_steps_and_leaves_no_stale_
         pytest.raises(RuntimeError, match=r"compiled autograd is on \(torch._dynamo.config.compiled_autograd"),
     ):
         InBackwardOptimizer(make_model().parameters(), torch.optim.SGD, lr=0.1)
+
+
+class _TwoHeads(nn.Module):
+    """A multi-task model: one trunk, two heads, a loss each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 1), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.trunk(x))
+        return self.a(h).square().mean(), self.b(h).abs().mean()
+
+
+@pytest.mark.parametrize("cap", [float("inf"), 1e-4])
+def test_a_second_loss_over_a_graph_kept_by_a_stepping_backward_is_refused_by_name(cap):
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    opt = InBackwardOptimizer(model.named_parameters(), torch.optim.SGD, lr=0.1, bucket_cap_mb=cap)
+    l1, l2 = model(torch.randn(5, 4))
+    l1.backward(retain_graph=True)  # steps every parameter l1 reaches
+    after_first = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"ran again over a graph kept with retain_graph=True.*add them and run one "
+                                           r"backward \(\(loss1 \+ loss2\)\.backward\(\)"):
+        l2.backward()
+    assert all(torch.equal(a, p) for a, p in zip(after_first, model.parameters()))  # nothing stepped a second time
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_sum_of_the_losses_is_the_standard_loops_step_and_retain_graph_alone_is_silent():
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    ref = copy.deepcopy(model)
+    opt = InBackwardOptimizer(model.named_parameters(), torch.optim.AdamW, lr=0.1, bucket_cap_mb=1e-4)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, fused=True)  # the kernel the optimizer picks
+    for step in range(3):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+        sum(ref(x)).backward()  # one backward of the summed losses: the fix the refusal names
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            sum(model(x)).backward(retain_graph=True)  # a graph kept and never used again: no error, no warning
+    assert_same_params(model, ref)

@@ -549,3 +549,17 @@ def test_low_bit_states_under_ddp_and_fsdp2(ranks, path, wrapper):
     # inductor cannot build it) is refused, which is allowed
     expected = LOW_BIT_EXPECTED.get((path, wrapper), "exact: .*(OptimState|Tensor)|refused: .*stepping it .*raised")
     assert all(re.match(expected, r, flags=re.S) for r in results), results
+
+
+@pytest.mark.parametrize("name", ["AdamMini", "LOMO", "AdaLOMO"])
+def test_a_class_that_takes_the_model_is_refused_in_one_line_before_anything_is_attached(name):
+    cls = getattr(pytest.importorskip("pytorch_optimizer"), name)
+    model = Model()
+    before = _params(model)
+    with pytest.raises(NotImplementedError, match=rf"^pytorch_optimizer\.{name} takes the model \('model'\) rather "
+                                                  r"than parameters.*standard training loop$"):
+        dist_optim.InBackwardOptimizer(model, cls, lr=1e-3)
+    assert all(not p.__dict__ for p in model.parameters())  # no engine linked
+    _loss(model, _data(1, 0)[0]).backward()  # plain autograd: no hook of ours runs, nothing is stepped
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(p.grad is not None for p in model.parameters())

@@ -10,6 +10,7 @@ A new entry in the module without a check here fails ``test_every_entry_has_a_ch
 from __future__ import annotations
 
 import importlib
+import inspect
 import pickle
 import types
 from collections.abc import Callable
@@ -91,8 +92,26 @@ def _check_engine_run_backward() -> None:
     x.register_post_accumulate_grad_hook(lambda t: seen.append(backward_frames()))
     loss = (x * 2).sum()
     loss.backward()
-    (nested, found), = seen
+    (nested, found, retained), = seen
     assert not nested and len(found) == 1 and found[0] is loss, "the backward's roots are not found on the stack"
+    assert not retained, "a backward that frees its graph was read as retaining it"
+
+
+def _check_engine_run_backward_retain_graph() -> None:
+    from dist_optim.engine._guards import backward_frames
+
+    name, _, _ = internals.ENGINE_RUN_BACKWARD
+    args, at = internals.ENGINE_RUN_BACKWARD_RETAIN_GRAPH
+    code = _resolve(f"torch.autograd.graph.{name}").__code__
+    assert code.co_flags & inspect.CO_VARARGS and code.co_varnames[code.co_argcount] == args, code.co_varnames
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+    x.register_post_accumulate_grad_hook(lambda t: seen.append(backward_frames()[2]))
+    loss = (x * 2).sum()
+    loss.backward(retain_graph=True)
+    torch.autograd.grad((x * 3).sum(), x, retain_graph=True)  # no hook runs: grad() does not accumulate
+    loss.backward()
+    assert seen == [True, False], f"retain_graph is not args[{at}] of the backward's frame: {seen}"
 
 
 def _check_backward_function_apply() -> None:
@@ -456,6 +475,10 @@ CHECKS: dict[str, Entry] = {
         "torch.autograd.graph._engine_run_backward",
         "the nested/reentrant-backward refusal and the retained-graph guard would switch off",
         _check_engine_run_backward),
+    "ENGINE_RUN_BACKWARD_RETAIN_GRAPH": Entry(
+        None, "a second loss's backward over a retained graph that stepped would not be refused by name (torch's "
+              "version error, which does not say why, or a second step on the same batch)",
+        _check_engine_run_backward_retain_graph),
     "BACKWARD_FUNCTION_APPLY": Entry(
         "torch.autograd.function.BackwardCFunction.apply", "the reentrant-backward refusal would switch off",
         _check_backward_function_apply),

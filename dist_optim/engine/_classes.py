@@ -8,6 +8,7 @@ A leaf of the engine: the stepper that steps a class and the rule that probes wh
 from __future__ import annotations
 
 import contextlib
+import inspect
 import random
 import sys
 from collections.abc import Callable, Iterator
@@ -65,3 +66,18 @@ def unwrapped_step(optimizer_class: type[torch.optim.Optimizer]) -> Callable[...
     """``optimizer_class.step`` without torch's profiling wrapper, whose global step hooks must fire once per
     training step with the facade as argument, never once per bucket with an inner optimizer."""
     return unwrap_profiled_step(optimizer_class.step)
+
+
+def check_takes_params(cls: type[torch.optim.Optimizer]) -> None:
+    """Refuse a class whose constructor takes the model rather than parameters (pytorch-optimizer's ``AdamMini``
+    groups the model's parameters by their names itself): its groups cannot be split into buckets."""
+    try:
+        first = next(iter(list(inspect.signature(cls.__init__).parameters.values())[1:]), None)
+    except (TypeError, ValueError):
+        return  # no readable signature: the class is built as torch.optim's are, and says itself what it lacks
+    if first is not None and (first.name == "model" or "Module" in str(first.annotation)):
+        name = f"{cls.__module__.split('.')[0]}.{cls.__qualname__}"
+        raise NotImplementedError(
+            f"{name} takes the model ({first.name!r}) rather than parameters, and groups them by name itself, so its "
+            "groups cannot be split into buckets stepped inside backward; use it in a standard training loop"
+        )

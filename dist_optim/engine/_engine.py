@@ -19,10 +19,12 @@ from dist_optim._torch_internals import graph_task_id as _task_id
 from dist_optim._torch_internals import queue_callback as _queue_callback
 from dist_optim.engine._buckets import NO_TASK, OUTSIDE_BACKWARD, Backward, Bucket, Owner, Reductions, Run
 from dist_optim.engine._guards import (
+    STEPPED_GRAPH_MESSAGE,
     TWO_PASS_MESSAGE,
     backward_frames,
     compiled_autograd_message,
     guard_graph,
+    reaches_stepped_graph,
     refuse_nested_backward,
 )
 from dist_optim.engine._inputs import is_dtensor
@@ -67,6 +69,7 @@ class Engine:
         self.handles: list[RemovableHandle] = []
         self.backward = Backward(NO_TASK, NO_TASK, Run.NONE, None)
         self.incomplete = False  # a bucket was stepped and the end of that backward has not completed
+        self.kept_stepped_graph = False  # the last stepping backward kept its graph: the next one looks for it
         self.learner = Learner(self)
 
     # -- registration -------------------------------------------------------------------------------------------
@@ -206,7 +209,7 @@ class Engine:
                 "stages build the optimizers with dist_optim.pipeline_optimizers(schedule, ...); otherwise call "
                 "opt.step() after setting the gradients"
             )
-        nested, roots = backward_frames()
+        nested, roots, retained = backward_frames()
         if tid == last.previous_task or nested:
             refuse_nested_backward()
         if not last.ended:
@@ -222,7 +225,10 @@ class Engine:
         if run in (Run.STEP, Run.WINDOW):
             if policy.two_pass and policy.phase == "":
                 self._refuse(tid, last, first, TWO_PASS_MESSAGE)
-            guard_graph(roots)
+            if self.kept_stepped_graph and reaches_stepped_graph(roots):
+                self._refuse(tid, last, first, STEPPED_GRAPH_MESSAGE)
+            guard_graph(roots, retained)
+            self.kept_stepped_graph = retained
         self.backward = bw = Backward(tid, last.task, run, policy)
         if run.steps:
             try:

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 from dist_optim._torch_internals import LOCAL_TENSOR, local_tensor
-from dist_optim.engine._classes import hyperparameters, is_torch_step, no_rng, unwrapped_step
+from dist_optim.engine._classes import check_takes_params, hyperparameters, is_torch_step, no_rng, unwrapped_step
 from dist_optim.engine._direct_steps import (
     FUSED_ADAM,
     FusedAdamStep,
@@ -133,6 +133,7 @@ class Recipe:
     def defaults(self, like: torch.Tensor, groups: list[Any]) -> dict[str, Any]:
         """``optimizer_class``'s defaults with the user's options, built on a tensor of ``like``'s kind, else (a
         class that reads keys of the user's groups, such as Muon's ``use_muon``) on the user's groups."""
+        check_takes_params(self.optimizer_class)
         dummy = torch.zeros(1, 1, dtype=like.dtype, device=like.device, requires_grad=True)
         with no_rng([like]):
             try:
