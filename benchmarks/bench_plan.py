@@ -20,7 +20,9 @@ import torch
 
 from benchmarks import harness as h
 from dist_optim import plan
-from dist_optim._planner._plan import LOOPS, Job
+from dist_optim._planner._lowbit import storages
+from dist_optim._planner._step import LOOPS, Job
+from dist_optim._torch_internals import tree_leaves
 from launch.gpt import GPT, loss_fn
 
 VOCAB = 256
@@ -58,23 +60,30 @@ def _builders(shape: tuple[int, int, int, int, int], device: str = "cpu") -> tup
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
-    return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
+    """The bytes of the storages under ``tensors`` (a subclass's inner tensors: torchao's low-bit state), once each."""
+    return sum({id(st): st.nbytes() for t in tensors for st in storages(t)}.values())
 
 
 def measured(shape: tuple[int, int, int, int, int], engine: dict[str, Any], device: str = "cpu",
              autocast_dtype: torch.dtype | None = None) -> dict[str, dict[str, int]]:
+    """Each loop's warm step of the GPT of ``shape`` run for real (:func:`measure`)."""
+    return measure(*_builders(shape, device), torch.optim.AdamW, OPTIMIZER_KWARGS, engine, device, autocast_dtype)
+
+
+def measure(model_fn: Any, batch_fn: Any, loss: Any, optimizer_class: type, optimizer_kwargs: dict[str, Any],
+            engine: dict[str, Any], device: str = "cpu", autocast_dtype: torch.dtype | None = None
+            ) -> dict[str, dict[str, int]]:
     """Each loop's warm step run for real: the resident bytes at its start and its allocator peak above them
     (CPU: the profiler's memory events; CUDA: ``max_memory_allocated``)."""
-    model_fn, batch_fn, loss = _builders(shape, device)
     micro = engine.get("accumulation_steps", 1)
     out = {}
     for loop in LOOPS:
         torch.manual_seed(0)
-        job = Job(model_fn(), loop, loss, torch.optim.AdamW, OPTIMIZER_KWARGS, engine)
+        job = Job(model_fn(), loop, loss, optimizer_class, optimizer_kwargs, engine)
         job.autocast = autocast_dtype
         job.step([batch_fn() for _ in range(micro)])
         batches = [batch_fn() for _ in range(micro)]
-        start = _storage_bytes(job.resident() + [t for b in batches for t in b])
+        start = _storage_bytes(job.resident() + [t for t in tree_leaves(batches) if isinstance(t, torch.Tensor)])
         step = h.allocator_peak(lambda: job.step(batches), device)["peak_bytes"]
         out[loop] = {"start_bytes": start, "step_peak_bytes": step, "peak_bytes": start + step}
     return out
@@ -82,11 +91,19 @@ def measured(shape: tuple[int, int, int, int, int], engine: dict[str, Any], devi
 
 def compare(shape: tuple[int, int, int, int, int], engine: dict[str, Any], device: str = "cpu",
             autocast_dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """Planned against measured for one configuration; ``error`` is (planned - measured) / measured."""
-    model_fn, batch_fn, loss = _builders(shape, device)
-    p = plan(model_fn, batch_fn, loss, torch.optim.AdamW, **engine, autocast_dtype=autocast_dtype, **OPTIMIZER_KWARGS)
-    m = measured(shape, engine, device, autocast_dtype)
-    res: dict[str, Any] = {"engine": {k: v if v != math.inf else "inf" for k, v in engine.items()}}
+    """Planned against measured for the GPT of ``shape`` (:func:`compare_job`)."""
+    return compare_job(*_builders(shape, device), torch.optim.AdamW, OPTIMIZER_KWARGS, engine, device,
+                       autocast_dtype)
+
+
+def compare_job(model_fn: Any, batch_fn: Any, loss: Any, optimizer_class: type, optimizer_kwargs: dict[str, Any],
+                engine: dict[str, Any], device: str = "cpu", autocast_dtype: torch.dtype | None = None
+                ) -> dict[str, Any]:
+    """Planned against measured for one job; ``error`` is (planned - measured) / measured."""
+    p = plan(model_fn, batch_fn, loss, optimizer_class, **engine, autocast_dtype=autocast_dtype, **optimizer_kwargs)
+    m = measure(model_fn, batch_fn, loss, optimizer_class, optimizer_kwargs, engine, device, autocast_dtype)
+    res: dict[str, Any] = {"engine": {k: v if v != math.inf else "inf" for k, v in engine.items()},
+                           "not_seen": list(p.not_seen)}
     for lp in p.loops():
         got = m[lp.loop]
         res[lp.loop] = {"planned_peak": lp.peak_bytes, "measured_peak": got["peak_bytes"],
@@ -97,6 +114,17 @@ def compare(shape: tuple[int, int, int, int, int], engine: dict[str, Any], devic
     res["saving"] = {"planned": p.saving_bytes, "measured": saving_m,
                      "error": (p.saving_bytes - saving_m) / saving_m if saving_m else None}
     return res
+
+
+def print_rows(label: str, r: dict[str, Any]) -> None:
+    """One line per loop of a :func:`compare_job` result: peaks planned and measured, the step's, the saving."""
+    s = r["saving"]
+    for loop in LOOPS:
+        x = r[loop]
+        err = "" if s["error"] is None else f" ({100 * s['error']:+.1f} %)"
+        tail = f"   {h.mib(s['planned'])} / {h.mib(s['measured'])}{err}" if loop == "standard" else ""
+        print(f"{label} {loop:<12} {h.mib(x['planned_peak']):>9} {h.mib(x['measured_peak']):>9} "
+              f"{100 * x['error']:>+6.1f}%  {h.mib(x['planned_step_peak']):>12} {h.mib(x['measured_step_peak']):>9}{tail}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -110,15 +138,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{'step planned':>12} {'measured':>9}   saving planned / measured MiB")
     for name, shape in shapes.items():
         for label, engine in configs:
-            r = rows[f"{name}/{label}"] = compare(shape, engine, args.device)
-            s = r["saving"]
-            for loop in LOOPS:
-                x = r[loop]
-                err = "" if s["error"] is None else f" ({100 * s['error']:+.1f} %)"
-                tail = f"   {h.mib(s['planned'])} / {h.mib(s['measured'])}{err}" if loop == "standard" else ""
-                print(f"{name:<10} {label:<16} {loop:<12} {h.mib(x['planned_peak']):>9} {h.mib(x['measured_peak']):>9} "
-                      f"{100 * x['error']:>+6.1f}%  {h.mib(x['planned_step_peak']):>12} "
-                      f"{h.mib(x['measured_step_peak']):>9}{tail}")
+            rows[f"{name}/{label}"] = compare(shape, engine, args.device)
+            print_rows(f"{name:<10} {label:<16}", rows[f"{name}/{label}"])
     return run.finish({"shapes": {k: list(v) for k, v in shapes.items()}, "rows": rows})
 
 

@@ -31,7 +31,7 @@ import torch
 from benchmarks import harness as h
 from benchmarks.bench_plan import OPTIMIZER_KWARGS, _builders
 from dist_optim import plan
-from dist_optim._planner._plan import LOOPS, Job
+from dist_optim._planner._step import LOOPS, Job
 from dist_optim._planner._fsdp2 import shard
 from dist_optim._planner._tp import mesh_shape, wrap
 from launch.gpt import loss_fn
@@ -127,15 +127,17 @@ def _rank(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(WARMUP):
         job.step([batch_fn() for _ in range(micro)])
     batches = [batch_fn() for _ in range(micro)]
-    return shim.warm_step(lambda: job.step(batches), base, STEPS)
+    return shim.warm_step(lambda: job.step(batches), base, args.steps)
 
 
-def measured(shape: tuple[int, ...], layout: dict[str, Any], engine: dict[str, Any]) -> dict[str, list[dict]]:
-    """Per loop, each rank's measured figures (each loop in its own spawned group of ``WORLD`` gloo ranks)."""
+def measured(shape: tuple[int, ...], layout: dict[str, Any], engine: dict[str, Any], steps: int = STEPS
+             ) -> dict[str, list[dict]]:
+    """Per loop, each rank's measured figures over ``steps`` warm steps (each loop in its own spawned group of
+    ``WORLD`` gloo ranks)."""
     out = {}
     for loop in LOOPS:
         args = argparse.Namespace(device="cpu", threads=1, malloc="pinned", shape=list(shape), loop=loop,
-                                  layout=sorted(layout.items()), engine=sorted(engine.items()))
+                                  layout=sorted(layout.items()), engine=sorted(engine.items()), steps=steps)
         ranks, no_shim = h.spawn(_rank, args, _world(layout), heap_shim=True)
         if no_shim:
             raise RuntimeError(f"heap shim not preloaded ({no_shim}): no per-rank peak of every thread")
@@ -143,11 +145,11 @@ def measured(shape: tuple[int, ...], layout: dict[str, Any], engine: dict[str, A
     return out
 
 
-def compare(shape: tuple[int, ...], layout: dict[str, Any], engine: dict[str, Any], statistic: str = "mode"
-            ) -> dict[str, Any]:
+def compare(shape: tuple[int, ...], layout: dict[str, Any], engine: dict[str, Any], statistic: str = "mode",
+            steps: int = STEPS) -> dict[str, Any]:
     """Planned (one rank) against measured (every rank); ``error`` is (planned - measured) / measured on the rank
     furthest from the plan. Each rank's step peak is the ``statistic`` (``"mode"``, ``"median"`` or ``"min"``) of
-    its STEPS steps: under DDP they are all equal; under FSDP2 on gloo most steps measure the same peak, and a few
+    its ``steps`` steps (STEPS in the benchmark; fewer in the tests): under DDP they are all equal; under FSDP2 on gloo most steps measure the same peak, and a few
     are higher (a buffer gloo frees late, on its own thread, after the collective has returned, that lands on the
     peak) or lower: the mode is the step the plan plans, and ``late`` counts the steps above it on each rank
     (``late_max_bytes``: the most above), the headroom the plan states."""
@@ -159,7 +161,7 @@ def compare(shape: tuple[int, ...], layout: dict[str, Any], engine: dict[str, An
         extra, loss = {"parallelize": tensor_parallel}, _tp_loss
     p = plan(model_fn, batch_fn, loss, torch.optim.AdamW, **{"parallel": "ddp", "world_size": WORLD, **layout},
              **extra, **engine, **OPTIMIZER_KWARGS)
-    m = measured(shape, layout, engine)
+    m = measured(shape, layout, engine, steps)
     for ranks in m.values():
         for r in ranks:
             r["step_peak_bytes"] = pick(r["step_peak_each"])

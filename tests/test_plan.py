@@ -18,7 +18,7 @@ import dist_optim
 from benchmarks import bench_plan
 from launch.memory_peak import allocator_peak
 from dist_optim import plan
-from dist_optim._planner._plan import CATEGORIES, Job
+from dist_optim._planner._step import CATEGORIES, Job
 from dist_optim._planner._cli import _hf_loss, main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

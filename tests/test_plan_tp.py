@@ -19,6 +19,9 @@ from launch.tensor_parallel import tensor_parallel
 from test_plan_layouts import AGREEMENT, FSDP2_BYTES, TINY_LLAMA, needs_ranks
 
 TINY = (2, 2, 64, 16, 2)  # n_layer, n_head, n_embd, block_size, batch: the fast, rank-free checks
+# warm steps measured per rank on 4 gloo ranks: the mode of 5 is the planned step (the benchmark measures 15; a late
+# gloo free lands on a step or two of them at most)
+FEW_STEPS = 5
 
 
 def _config(label: str):
@@ -27,7 +30,7 @@ def _config(label: str):
 
 def _assert_agrees(res: dict, step_bytes: int | None = None) -> None:
     """Each loop's peak, and the saving on every rank, within AGREEMENT of the measured one (each rank's most
-    frequent step of 15); with ``step_bytes``, the step's own peak and the saving within that many bytes too."""
+    frequent step); with ``step_bytes``, the step's own peak and the saving within that many bytes too."""
     for loop in ("standard", "in_backward"):
         r = res[loop]
         assert abs(r["error"]) <= AGREEMENT, (loop, r["planned_peak"], r["measured_peak"], r["ranks"])
@@ -52,7 +55,7 @@ def test_a_tp_rank_planned_agrees_with_two_gloo_ranks_measured():
 @needs_ranks
 def test_an_fsdp2_x_tp_rank_planned_agrees_with_four_gloo_ranks_measured():
     # gloo's buffers inside FSDP2's collectives over "dp" are planned (communication): the step's own peak to the byte
-    res = bench_plan_layouts.compare(*_config("fsdp2+tp, 4 x 512, cap 0.5"))
+    res = bench_plan_layouts.compare(*_config("fsdp2+tp, 4 x 512, cap 0.5"), steps=FEW_STEPS)
     _assert_agrees(res, FSDP2_BYTES)
     assert res["saving"]["planned"] > 4 * 2**20
 
@@ -61,7 +64,8 @@ def test_an_fsdp2_x_tp_rank_planned_agrees_with_four_gloo_ranks_measured():
 def test_an_hsdp_rank_planned_agrees_with_four_gloo_ranks_measured():
     # the mode of each rank's steps: where gloo frees a buffer earlier or later a step measures lower or higher than
     # the rest; the lowest would show a saving that the job does not have
-    res = bench_plan_layouts.compare(*_config("hsdp, 4 x 512, cap 0.5"))
+    # the smaller model: HSDP's kept gradient buffers show at any size
+    res = bench_plan_layouts.compare(*_config("hsdp, 2 x 256, cap 0.5"), steps=FEW_STEPS)
     _assert_agrees(res, FSDP2_BYTES)
     # FSDP2 keeps each unit's reduced gradient buffer (the all-reduce's input) until backward ends under HSDP: the
     # buckets step in backward and free nothing, on the real ranks as in the plan

@@ -5,41 +5,111 @@ name; the table, JSON or a picture). The planner itself is ``dist_optim._planner
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import inspect
 import json
+import logging
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from dist_optim._planner._plan import CLIP_MODES, MemoryPlan, plan
+from dist_optim._planner._plan import MemoryPlan, plan
 from dist_optim._planner._fsdp2 import BACKENDS
 from dist_optim._planner._layouts import NOT_PLANNED, PARALLEL
+from dist_optim._planner._pipeline import schedule_class
+from dist_optim.engine._options import CLIP_MODES, DEFAULT_BUCKET_CAP_MB
 
 __all__: list[str] = []
 
 
 # -- the command line -----------------------------------------------------------------------------------------------
-def _class(path: str) -> Any:
-    """``torch.optim.AdamW`` or ``package.module:name`` -> the object."""
+PROG = "python -m dist_optim.plan"
+HF_EXTRA = "pip install 'dist_optim[hf]'"
+POSITIONS = ("max_position_embeddings", "n_positions", "block_size", "max_seq_len", "seq_length")  # models' limits
+DEFAULT_SEQ_LEN = 1024  # where the model states no limit
+
+
+class Refused(SystemExit):
+    """A bad input, said in one line (``str``) by :func:`main` on stderr; the process exits with 2, as argparse's."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, not argparse's usage block
+        raise Refused(f"{message} (see --help)")
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each default said once: not where the help already says it, nor for flags and options without one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action) or text
+
+
+def _class(path: str, flag: str = "--model") -> Any:
+    """``torch.optim.AdamW`` or ``package.module:name`` -> the object; a bad name is :class:`Refused`."""
     module, _, name = path.rpartition(":") if ":" in path else path.rpartition(".")
     if not module:
-        raise ValueError(f"expected module.name or module:name, got {path!r}")
-    obj = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
+        raise Refused(f"{flag} {path}: expected MODULE:NAME or MODULE.NAME (e.g. launch.gpt:GPT)")
+    try:
+        obj = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except ImportError as e:
+        raise Refused(f"{flag} {path}: cannot import {module!r} ({e}); give an importable MODULE:NAME") from e
+    except AttributeError as e:
+        raise Refused(f"{flag} {path}: {module!r} has no {name!r}; give an existing MODULE:NAME") from e
     return obj
 
 
-def _hf_model(config_path: str, dtype: torch.dtype, checkpointing: bool) -> tuple[Callable[[], nn.Module], int]:
-    """A builder of a Hugging Face causal LM from its ``config.json`` (no weights read), and its vocabulary."""
+def _json(text: str, flag: str, fix: str = "give a JSON object, e.g. '{\"vocab_size\": 256}'") -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise Refused(f"{flag}: malformed JSON ({e}); {fix}") from e
+    if not isinstance(value, dict):
+        raise Refused(f"{flag}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _hf_config(path: str) -> Any:
+    """The ``transformers`` config at ``path`` (a ``config.json`` or its folder), read from this disk only."""
     try:
         import transformers
     except ImportError as e:
-        raise SystemExit(f"--hf-config needs transformers: {e}") from e
-    config = transformers.AutoConfig.from_pretrained(config_path)
+        raise Refused(f"--hf-config needs transformers, which is not installed: {HF_EXTRA}") from e
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise Refused(f"--hf-config {path}: no such file; give a config.json or the folder that holds it")
+    with open(file) as f:
+        _json(f.read(), f"--hf-config {file}", "give a model's config.json as transformers writes it")
+    try:
+        return transformers.AutoConfig.from_pretrained(file)
+    except (ValueError, OSError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise Refused(f"--hf-config {file}: not a config transformers can read ({first}); give a model's "
+                      "config.json with its model_type") from e
+
+
+def _hf_model(config_path: str, dtype: torch.dtype, checkpointing: bool) -> tuple[Callable[[], nn.Module], Any]:
+    """A builder of a Hugging Face causal LM from its ``config.json`` (no weights read), and the config."""
+    config = _hf_config(config_path)
+    import transformers
+
     config.use_cache = False
 
     def build() -> nn.Module:
@@ -51,7 +121,7 @@ def _hf_model(config_path: str, dtype: torch.dtype, checkpointing: bool) -> tupl
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return model
-    return build, config.vocab_size
+    return build, config
 
 
 def _hf_loss(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -72,13 +142,23 @@ GPT_BUILDERS = ("launch.gpt:GPT", "launch.gpt.GPT")  # --model names whose TP pl
 GPT_TP_PLAN = "launch.tensor_parallel:tensor_parallel"
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m dist_optim.plan",
+    p = _Parser(
+        prog=PROG,
         description="Plan one warm training step's memory, standard loop against in backward, on fake tensors "
                     "(nothing of the model's size is allocated): one process, or one rank of a DDP, FSDP2, "
                     "tensor-parallel, FSDP2 x TP or HSDP job, or each stage rank of a pipeline (--world, --parallel).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_Formatter)
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its folder): "
                        "AutoModelForCausalLM.from_config, loss from labels")
@@ -93,17 +173,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the parameters' dtype (the optimizer state follows it)")
     p.add_argument("--autocast", choices=("bfloat16", "float16"), default=None,
                    help="the forward under torch.autocast with this dtype (mixed precision)")
-    p.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch")
-    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
+    p.add_argument("--batch-size", type=_positive, default=1, help="sequences per micro-batch")
+    p.add_argument("--seq-len", type=_positive, default=None,
+                   help="tokens per sequence, at most the model's positions (default: the model's positions, "
+                        f"max_position_embeddings or block_size; {DEFAULT_SEQ_LEN} where it states none)")
     p.add_argument("--optimizer", default="torch.optim.AdamW", help="the optimizer class, by name")
     p.add_argument("--lr", type=float, default=1e-3, help="the optimizer's lr (no effect on memory)")
-    p.add_argument("--bucket-cap-mb", type=float, default=4.0, help="the engine's bucket cap, MiB of gradients")
+    p.add_argument("--bucket-cap-mb", type=float, default=DEFAULT_BUCKET_CAP_MB, help="the engine's bucket cap, MiB of gradients")
     p.add_argument("--per-parameter", action="store_true", help="step each parameter on its own in backward")
-    p.add_argument("--accumulation-steps", type=int, default=1, help="micro-batches per step, each --batch-size")
+    p.add_argument("--accumulation-steps", type=_positive, default=1, help="micro-batches per step, each --batch-size")
     p.add_argument("--max-grad-norm", type=float, default=None, help="clip to this global norm (both loops)")
     p.add_argument("--clip-mode", choices=CLIP_MODES, default="exact", help="how --max-grad-norm clips in backward")
     p.add_argument("--track-grad-norm", action="store_true", help="measure the global norm every step")
-    p.add_argument("--world", type=int, default=1, help="ranks in the job (with --parallel)")
+    p.add_argument("--world", type=_positive, default=1, help="ranks in the job (with --parallel)")
     p.add_argument("--parallel", choices=(*PARALLEL, *NOT_PLANNED), default="none",
                    help=f"the layout, planned for one rank; planned: {', '.join(PARALLEL)} (the others are refused, "
                         "with the reason)")
@@ -111,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--parallel ddp: DDP's bucket_cap_mb (default: DDP's, 25 MiB with a 1 MiB first bucket)")
     p.add_argument("--gradient-as-bucket-view", action="store_true",
                    help="--parallel ddp: DDP's gradient_as_bucket_view=True")
-    p.add_argument("--n-microbatches", type=int, default=4,
+    p.add_argument("--n-microbatches", type=_positive, default=4,
                    help="--parallel pp: the schedule's micro-batches per step, each --batch-size (the trainer's "
                         "--microbatches)")
     p.add_argument("--pp-schedule", default="1F1B", metavar="NAME",
@@ -133,81 +215,152 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--parallel tp, fsdp2+tp: parallelize(model, tp_mesh) applies the model's tensor-parallel "
                         f"plan (default for --model {GPT_BUILDERS[0]}: the trainer's, {GPT_TP_PLAN})")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG of both loops' memory timelines (needs matplotlib)")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of both loops' memory timelines (needs matplotlib: pip install 'dist_optim[job]')")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr while planning")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> MemoryPlan:
+    """Plan from the command line; a bad input is one line on stderr and exit code 2 (:class:`Refused`)."""
+    try:
+        return _main(argv)
+    except Refused as e:
+        sys.stderr.write(f"{PROG}: error: {e}\n")
+        raise
+
+
+def _main(argv: Sequence[str] | None) -> MemoryPlan:
     args = build_parser().parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    pipeline: dict[str, Any] = {}
-    if args.parallel == "pp":
-        if args.hf_config:
-            raise SystemExit("--parallel pp: give --model and --pp-stage-fn (a Hugging Face model is not cut into "
-                             "pipeline stages here)")
-        if not args.pp_stage_fn:
-            raise SystemExit("--parallel pp needs --pp-stage-fn MODULE:CALLABLE, fn(model, stage_index, num_stages) "
-                             "-> the stage's module (e.g. launch.pipeline:gpt_stage for --model launch.gpt:GPT)")
-        from dist_optim._planner._pipeline import schedule_class
-
-        try:
-            schedule_class(args.pp_schedule)
-        except NotImplementedError as e:
-            raise SystemExit(f"--pp-schedule {args.pp_schedule}: {e}") from e
-        pipeline = {"n_microbatches": args.n_microbatches, "pp_schedule": args.pp_schedule,
-                    "pp_stage_fn": _class(args.pp_stage_fn)}
-    if args.hf_config:
-        model_fn, vocab = _hf_model(args.hf_config, dtype, args.activation_checkpointing)
-        loss_fn: Callable[[nn.Module, Any], torch.Tensor] = _hf_loss
-    else:
-        if args.activation_checkpointing:
-            raise SystemExit("--activation-checkpointing: only with --hf-config (a --model checkpoints itself)")
-        kwargs = json.loads(args.model_kwargs)
-        builder = _class(args.model)
-        vocab = args.vocab_size or kwargs.get("vocab_size")
-        if not vocab:
-            raise SystemExit("--model: give --vocab-size (or vocab_size in --model-kwargs)")
-
-        def model_fn() -> nn.Module:
-            # the default dtype, not .to(dtype): fake parameters cannot be swapped for converted ones
-            before = torch.get_default_dtype()
-            torch.set_default_dtype(dtype)
-            try:
-                return builder(**kwargs)
-            finally:
-                torch.set_default_dtype(before)
-        loss_fn = _logits_loss
-    shape = (args.batch_size, args.seq_len)
+    pipeline = _pipeline_options(args)
+    if args.parallel not in PARALLEL:  # refused before anything is built
+        raise Refused(f"--parallel {args.parallel}: not planned ({NOT_PLANNED[args.parallel]}); planned: "
+                      f"{', '.join(PARALLEL)}")
+    model_fn, loss_fn, vocab, positions = _model(args, dtype)
+    seq_len = _seq_len(args.seq_len, positions)
+    shape = (args.batch_size, seq_len)
 
     def batch_fn() -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
 
-    if args.parallel not in PARALLEL:  # refused before anything is built
-        raise SystemExit(f"--parallel {args.parallel}: not planned ({NOT_PLANNED[args.parallel]}); planned: "
-                         f"{', '.join(PARALLEL)}")
     if pipeline:
         loss_fn = _output_loss
     parallelize = args.parallelize
     if parallelize is None and args.parallel in ("tp", "fsdp2+tp"):
         if args.model not in GPT_BUILDERS:
-            raise SystemExit(f"--parallel {args.parallel} needs --parallelize MODULE:CALLABLE, a parallelize(model, "
-                             f"tp_mesh) with the model's tensor-parallel plan (the default, {GPT_TP_PLAN}, is the "
-                             f"plan of --model {GPT_BUILDERS[0]} only)")
+            raise Refused(f"--parallel {args.parallel} needs --parallelize MODULE:CALLABLE, a parallelize(model, "
+                          f"tp_mesh) with the model's tensor-parallel plan (the default, {GPT_TP_PLAN}, is the "
+                          f"plan of --model {GPT_BUILDERS[0]} only)")
         parallelize = GPT_TP_PLAN
-    result = plan(model_fn, batch_fn, loss_fn, _class(args.optimizer), bucket_cap_mb=args.bucket_cap_mb,
-                  per_parameter=args.per_parameter, accumulation_steps=args.accumulation_steps,
-                  max_grad_norm=args.max_grad_norm, clip_mode=args.clip_mode,
-                  track_grad_norm=args.track_grad_norm,
-                  autocast_dtype=None if args.autocast is None else getattr(torch, args.autocast),
-                  world_size=args.world, parallel=args.parallel, ddp_bucket_cap_mb=args.ddp_bucket_cap_mb,
-                  gradient_as_bucket_view=args.gradient_as_bucket_view, tp_size=args.tp_size,
-                  shard_size=args.shard_size, backend=args.backend,
-                  parallelize=None if parallelize is None else _class(parallelize),
-                  **pipeline, lr=args.lr)
-    result.options.update(batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
+    optimizer_class = _class(args.optimizer, "--optimizer")
+    parallelize_fn = None if parallelize is None else _class(parallelize, "--parallelize")
+    with _progress(args.quiet):
+        try:
+            result = plan(model_fn, batch_fn, loss_fn, optimizer_class, bucket_cap_mb=args.bucket_cap_mb,
+                          per_parameter=args.per_parameter, accumulation_steps=args.accumulation_steps,
+                          max_grad_norm=args.max_grad_norm, clip_mode=args.clip_mode,
+                          track_grad_norm=args.track_grad_norm,
+                          autocast_dtype=None if args.autocast is None else getattr(torch, args.autocast),
+                          world_size=args.world, parallel=args.parallel, ddp_bucket_cap_mb=args.ddp_bucket_cap_mb,
+                          gradient_as_bucket_view=args.gradient_as_bucket_view, tp_size=args.tp_size,
+                          shard_size=args.shard_size, backend=args.backend, parallelize=parallelize_fn,
+                          **pipeline, lr=args.lr)
+        except (ValueError, NotImplementedError) as e:  # the planner's refusals, one line each
+            raise Refused(" ".join(str(e).split())) from e
+    result.options.update(batch_size=args.batch_size, seq_len=seq_len, dtype=args.dtype,
                           activation_checkpointing=args.activation_checkpointing,
                           model=args.hf_config or args.model)
-    if args.plot:
-        result.plot(args.plot)
     sys.stdout.write((json.dumps(result.to_dict(), indent=2) if args.json else result.table()) + "\n")
+    if args.plot:
+        _plot(result, args.plot)
     return result
+
+
+def _pipeline_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``--parallel pp``'s options for ``plan``, checked ({} for the other layouts)."""
+    if args.parallel != "pp":
+        return {}
+    if args.hf_config:
+        raise Refused("--parallel pp: give --model and --pp-stage-fn (a Hugging Face model is not cut into "
+                      "pipeline stages here)")
+    if not args.pp_stage_fn:
+        raise Refused("--parallel pp needs --pp-stage-fn MODULE:CALLABLE, fn(model, stage_index, num_stages) "
+                      "-> the stage's module (e.g. launch.pipeline:gpt_stage for --model launch.gpt:GPT)")
+    try:
+        schedule_class(args.pp_schedule)
+    except NotImplementedError as e:
+        raise Refused(f"--pp-schedule {args.pp_schedule}: {e}") from e
+    return {"n_microbatches": args.n_microbatches, "pp_schedule": args.pp_schedule,
+            "pp_stage_fn": _class(args.pp_stage_fn, "--pp-stage-fn")}
+
+
+def _model(args: argparse.Namespace, dtype: torch.dtype
+           ) -> tuple[Callable[[], nn.Module], Callable[[nn.Module, Any], torch.Tensor], int, int | None]:
+    """The model's builder, its loss, its vocabulary and its positions (``None``: it states none)."""
+    if args.hf_config:
+        model_fn, config = _hf_model(args.hf_config, dtype, args.activation_checkpointing)
+        return model_fn, _hf_loss, config.vocab_size, _limit(vars(config))
+    if args.activation_checkpointing:
+        raise Refused("--activation-checkpointing: only with --hf-config (a --model checkpoints itself)")
+    kwargs = _json(args.model_kwargs, "--model-kwargs")
+    builder = _class(args.model, "--model")
+    vocab = args.vocab_size or kwargs.get("vocab_size")
+    if not vocab:
+        raise Refused("--model: give --vocab-size (or vocab_size in --model-kwargs)")
+    defaults = {}
+    with contextlib.suppress(TypeError, ValueError):  # a builder without a signature states no positions
+        defaults = {k: v.default for k, v in inspect.signature(builder).parameters.items()
+                    if v.default is not inspect.Parameter.empty}
+
+    def model_fn() -> nn.Module:
+        # the default dtype, not .to(dtype): fake parameters cannot be swapped for converted ones
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            return builder(**kwargs)
+        finally:
+            torch.set_default_dtype(before)
+    return model_fn, _logits_loss, vocab, _limit({**defaults, **kwargs})
+
+
+def _limit(settings: dict[str, Any]) -> int | None:
+    """The positions a model has, from its config or its builder's arguments (``None``: none stated)."""
+    for name in POSITIONS:
+        if isinstance(settings.get(name), int) and settings[name] > 0:
+            return settings[name]
+    return None
+
+
+def _seq_len(given: int | None, positions: int | None) -> int:
+    """``--seq-len``, or the model's positions; refused above them (the real forward would fail)."""
+    if given is None:
+        return positions or DEFAULT_SEQ_LEN
+    if positions is not None and given > positions:
+        raise Refused(f"--seq-len {given} is above the model's {positions} positions (its block_size or "
+                      f"max_position_embeddings): the job cannot run; give --seq-len {positions} or less")
+    return given
+
+
+@contextlib.contextmanager
+def _progress(quiet: bool) -> Iterator[None]:
+    """What the planner traces, on stderr while it runs (its log, which the library never prints)."""
+    logger = logging.getLogger("dist_optim._planner")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"{PROG}: %(message)s"))
+    before = logger.level
+    if not quiet:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(before)
+
+
+def _plot(result: MemoryPlan, path: str) -> None:
+    try:
+        result.plot(path)
+    except ImportError:
+        sys.stderr.write(f"{PROG}: --plot {path}: no picture, matplotlib is not installed (the table above is the "
+                         "plan); pip install 'dist_optim[job]' for the picture\n")

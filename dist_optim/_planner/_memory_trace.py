@@ -4,7 +4,8 @@ Every operator's outputs are seen as they are made (``TorchDispatchMode``) and e
 reference, so the running sum is what the allocator would hold, on fake tensors as on real ones. Two things no
 operator returns are added where the caller says: storages resized in place (FSDP2's unsharded parameters), whose
 sizes are re-read at every operator (:meth:`MemoryTrace.follow`), and a backend's buffers for a collective's duration
-(``collective_buffers``). What else no operator returns (a kernel's own workspace) is not seen.
+(``collective_buffers``), and what a kernel allocates inside itself (``workspaces``: CPU convolutions, calibrated by
+``_workspaces``). What else no operator returns is not seen.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ class _Block:
     """One storage's bytes, when it was made (``phase``), whether it was ever a ``.grad``, and whether it is a
     backend's buffer for a collective (``is_comm``)."""
 
-    __slots__ = ("nbytes", "phase", "is_grad", "is_comm", "__weakref__")
+    __slots__ = ("nbytes", "phase", "is_grad", "is_comm", "is_workspace", "__weakref__")
 
     def __init__(self, nbytes: int, phase: str) -> None:
         self.nbytes = nbytes
         self.phase = phase
         self.is_grad = False
         self.is_comm = False
+        self.is_workspace = False
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -64,9 +66,11 @@ class MemoryTrace(TorchDispatchMode):
     operator's duration, as a block of its own.
     """
 
-    def __init__(self, collective_buffers: Callable[[Any, tuple[Any, ...]], int] | None = None) -> None:
+    def __init__(self, collective_buffers: Callable[[Any, tuple[Any, ...]], int] | None = None,
+                 workspaces: Callable[[Any, tuple[Any, ...], dict[str, Any]], int] | None = None) -> None:
         super().__init__()
         self._collective_buffers = collective_buffers
+        self._workspaces = workspaces
         self._followed: list[tuple[torch.UntypedStorage, _Block, bool]] = []  # resized in place (CUDA or not)
         self._blocks = WeakIdKeyDictionary()  # storage -> its _Block
         self._live: dict[int, _Block] = {}  # id(block) -> block, for the snapshot at the peak
@@ -163,10 +167,11 @@ class MemoryTrace(TorchDispatchMode):
         self._settle_peak()
         self.finished = True
 
-    def _transient(self, nbytes: int) -> int:
-        """A backend's buffer, alive from now until ``_freed`` is given the key this returns."""
+    def _transient(self, nbytes: int, workspace: bool = False) -> int:
+        """A backend's buffer (or a kernel's ``workspace``), alive from now until ``_freed`` is given the key this
+        returns."""
         block = _Block(nbytes, self.phase)
-        block.is_comm = True
+        block.is_comm, block.is_workspace = not workspace, workspace
         self._live[id(block)] = block
         self._add(nbytes)
         return id(block)
@@ -180,10 +185,13 @@ class MemoryTrace(TorchDispatchMode):
             return NotImplemented
         nbytes = self._collective_buffers(func, args) if self._collective_buffers is not None else 0
         buffer = self._transient(nbytes) if nbytes else None  # the key of the backend's buffer
+        inside = self._workspaces(func, args, kwargs or {}) if self._workspaces is not None else 0
+        workspace = self._transient(inside, workspace=True) if inside else None
         out = func(*args, **(kwargs or {}))
         for t in tree_iter(out):
             if isinstance(t, torch.Tensor):
                 self._see(t)
-        if buffer is not None:
-            self._freed(buffer)
+        for key in (buffer, workspace):  # alive with the outputs, as calibrated (the peak inside, outputs made)
+            if key is not None:
+                self._freed(key)
         return out

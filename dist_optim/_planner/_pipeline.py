@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -29,11 +30,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_optim._planner._plan import LOOPS, NOT_SEEN, Job, LoopPlan, MemoryPlan, in_backward_kernel, loop_plan
-from dist_optim._torch_internals import (STAGE_WARMUP_RESULT, STAGE_WARMUP_VOTE, fake_store, stage_kept_outputs,
-                                         stage_recv_buffers)
+from dist_optim._planner._guard import FakeCopies, named_operators
+from dist_optim._planner._memory_trace import MemoryTrace
+from dist_optim._planner._step import LOOPS, NOT_SEEN, Job, LoopPlan, MemoryPlan, in_backward_kernel, loop_plan
+from dist_optim._planner._workspaces import Workspaces
+from dist_optim._torch_internals import (STAGE_WARMUP_RESULT, STAGE_WARMUP_VOTE, FakeTensorMode,
+                                         fake_store, stage_kept_outputs, stage_recv_buffers, tree_leaves)
+from dist_optim.pipeline import pipeline_optimizers
 
 __all__: list[str] = []
+
+logger = logging.getLogger(__name__)
 
 MiB = 2**20
 PP_SCHEDULES = ("1F1B", "GPipe")  # the schedules planned (validated on 2 gloo ranks); torch's names
@@ -127,8 +134,6 @@ class PipelineJob(Job):
                    engine_options: dict[str, Any]) -> torch.optim.Optimizer:
         if self.loop != "in_backward":
             return super()._optimizer(optimizer_class, optimizer_kwargs, engine_options)
-        from dist_optim.pipeline import pipeline_optimizers
-
         (opt,) = pipeline_optimizers(self.schedule, optimizer_class, **engine_options, **optimizer_kwargs)
         self.kernel = in_backward_kernel(opt)
         return opt
@@ -168,21 +173,22 @@ def _trace_stage(loop: str, rank: int, num_stages: int, model_fn: Callable[[], n
                  schedule: type, n_microbatches: int, optimizer_class: type[torch.optim.Optimizer],
                  optimizer_kwargs: dict[str, Any], engine: dict[str, Any]) -> tuple[LoopPlan, int, int]:
     """One loop's plan of stage ``rank``, its parameters and the bytes of its kept buffers (receive buffers)."""
-    from dist_optim._planner._memory_trace import MemoryTrace
-    from dist_optim._torch_internals import FakeTensorMode, tree_leaves
-
     def pipeline_batch() -> tuple[Any, Any]:  # n micro-batches, one tensor each: the schedule splits them again
         micro = [batch_fn() for _ in range(n_microbatches)]
         return tuple(torch.cat([m[i] for m in micro]) for i in range(2))  # type: ignore[return-value]
 
-    with fake_stage_group(num_stages, rank), FakeTensorMode(), warnings.catch_warnings():
+    built: list[nn.Module] = []
+    with fake_stage_group(num_stages, rank), FakeTensorMode(), named_operators(built), \
+            warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-        model = model_fn()
+        with FakeCopies():
+            model = model_fn()
+        built.append(model)
         x0, _ = batch_fn()
         example_in, example_out = _stage_shapes(model, stage_fn, num_stages, x0)[rank]
         module = stage_fn(model, rank, num_stages)
         del model  # the other stages' parameters: a stage rank keeps its own
-        trace = MemoryTrace()
+        trace = MemoryTrace(workspaces=Workspaces())  # CPU convolutions' own allocations, calibrated
 
         def seen(p: torch.Tensor) -> None:
             block = trace.block_of(p.grad)
@@ -241,8 +247,6 @@ class PipelinePlan(MemoryPlan):
 def check(world_size: int, engine: dict[str, Any], autocast_dtype: torch.dtype | None, n_microbatches: int,
           stage_fn: StageFn | None) -> None:
     """The refusals of ``plan(parallel="pp")``, before anything is built."""
-    from dist_optim.pipeline import _check_clipping
-
     if stage_fn is None:
         raise ValueError("parallel='pp' needs pp_stage_fn(model, stage_index, num_stages) returning that stage's "
                          "module (e.g. launch.pipeline.gpt_stage for the trainer's GPT)")
@@ -258,7 +262,6 @@ def check(world_size: int, engine: dict[str, Any], autocast_dtype: torch.dtype |
     if autocast_dtype is not None:
         raise NotImplementedError("autocast_dtype with parallel='pp' is not planned (not validated against a "
                                   "measurement)")
-    _check_clipping(engine)  # the clip modes pipeline_optimizers refuses, with its reason
 
 
 def plan_pipeline(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any],
@@ -275,7 +278,11 @@ def plan_pipeline(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any]
     stages = []
     for rank in range(world_size):
         loops = {}
-        for loop in LOOPS:
+        # in backward first: pipeline_optimizers refuses what it cannot step (clip modes needing every stage's
+        # norm), with its reason, before a standard loop is traced for nothing
+        for loop in reversed(LOOPS):
+            logger.info("tracing the %s loop of stage %d of %d on fake tensors", loop.replace("_", " "), rank,
+                        world_size)
             loops[loop], n_params, kept = _trace_stage(loop, rank, world_size, model_fn, batch_fn, loss_fn,
                                                        pp_stage_fn, schedule, n_microbatches, optimizer_class,
                                                        optimizer_kwargs, engine)

@@ -4,274 +4,59 @@
 state, then traces the storages of a second, warm step: the peak, split into parameters, optimizer state, gradients,
 activations and other, for ``loss.backward(); opt.step(); opt.zero_grad()`` and for ``InBackwardOptimizer``.
 One process, or one representative rank of a DDP, FSDP2, TP, FSDP2 x TP or HSDP job (``world_size``, ``parallel``:
-``_plan_layouts``, ``_plan_fsdp2``, ``_plan_tp``), or every stage rank of a pipeline (``_plan_pipeline``).
-``python -m dist_optim.plan`` does it from the command line (``_plan_cli``); this module is the planner.
+``_layouts``, ``_fsdp2``, ``_tp``), or every stage rank of a pipeline (``_pipeline``). The step traced and the
+plan's types are ``_step``'s; ``python -m dist_optim.plan`` is ``_cli``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import inspect
+import logging
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from dist_optim._planner._fsdp2 import local
+from dist_optim._planner._guard import FakeCopies, named_operators
 from dist_optim._planner._layouts import Layout, check_backend
+from dist_optim._planner._lowbit import not_seen as lowbit_not_seen
+from dist_optim._planner._lowbit import stand_in, steps_on_fake
+from dist_optim._planner._memory_trace import MemoryTrace
+from dist_optim._planner._pipeline import plan_pipeline
+from dist_optim._planner._step import LOOPS, NOT_SEEN, Job, LoopPlan, MemoryPlan, loop_plan
+from dist_optim._planner._workspaces import Workspaces
+from dist_optim._torch_internals import FakeTensorMode, fsdp_resized_tensors, tree_leaves
+from dist_optim.engine._options import InBackwardOptions, engine_keywords
 
 __all__: list[str] = []
 
-MiB = 2**20
-LOOPS = ("standard", "in_backward")
-CATEGORIES = ("parameters", "optimizer_state", "gradients", "activations", "communication", "other")
-CLIP_MODES = ("exact", "two_pass", "per_parameter", "previous_norm")
-# What a trace of operators' outputs cannot see, said in the output and docs/planning.md
-NOT_SEEN = (
-    "memory no operator returns: kernels' workspaces (cuBLAS, cuDNN, MKL), the CUDA caching allocator's "
-    "rounding and fragmentation, the CUDA context",
-)
+logger = logging.getLogger(__name__)
 
-
-@dataclass
-class LoopPlan:
-    """One loop's planned memory through the warm step (bytes, this process)."""
-
-    loop: str  # "standard" or "in_backward"
-    peak_bytes: int  # the most bytes alive at once during the step
-    start_bytes: int  # alive when the step starts: parameters, optimizer state, buffers, the batch
-    breakdown: dict[str, int]  # the peak split by CATEGORIES (sums to peak_bytes)
-    peak_phase: str  # the part of the step the peak falls in: forward, backward, step
-    kernel: str  # the optimizer kernel the step ran: fused, foreach or for-loop
-    timeline: list[tuple[int, str, int]] = field(default_factory=list, repr=False)  # (event, phase, bytes alive)
-
-    @property
-    def step_peak_bytes(self) -> int:
-        """The peak above the step's start: what ``launch.memory_peak.allocator_peak`` measures of a step."""
-        return self.peak_bytes - self.start_bytes
-
-
-@dataclass
-class MemoryPlan:
-    """Both loops' planned memory for one configuration (bytes, this process). ``saving_bytes`` is the standard
-    peak minus the in-backward one."""
-
-    standard: LoopPlan
-    in_backward: LoopPlan
-    n_params: int  # parameters this process holds
-    options: dict[str, Any]  # the engine's and the batch's options, as planned
-    not_seen: tuple[str, ...] = NOT_SEEN
-
-    @property
-    def saving_bytes(self) -> int:
-        return self.standard.peak_bytes - self.in_backward.peak_bytes
-
-    def loops(self) -> tuple[LoopPlan, LoopPlan]:
-        return self.standard, self.in_backward
-
-    def to_dict(self, *, timeline: bool = False) -> dict[str, Any]:
-        """The plan as JSON-ready values (``timeline=True`` adds both loops' timelines)."""
-        out: dict[str, Any] = {"n_params": self.n_params, "options": self.options,
-                               "saving_bytes": self.saving_bytes, "not_seen": list(self.not_seen)}
-        for lp in self.loops():
-            out[lp.loop] = {"peak_bytes": lp.peak_bytes, "start_bytes": lp.start_bytes,
-                            "step_peak_bytes": lp.step_peak_bytes, "breakdown": lp.breakdown,
-                            "bytes_per_param": lp.peak_bytes / max(1, self.n_params),
-                            "peak_phase": lp.peak_phase, "kernel": lp.kernel,
-                            **({"timeline": lp.timeline} if timeline else {})}
-        return out
-
-    def table(self) -> str:
-        """Both loops side by side, in MiB, with the saving and what the plan does not see."""
-        rows = [("", "standard", "in backward")]
-        rows.append(("peak (MiB)", *(f"{lp.peak_bytes / MiB:.1f}" for lp in self.loops())))
-        for c in CATEGORIES:
-            rows.append((f"  {c.replace('_', ' ')}", *(f"{lp.breakdown[c] / MiB:.1f}" for lp in self.loops())))
-        rows.append(("bytes / parameter", *(f"{lp.peak_bytes / max(1, self.n_params):.2f}" for lp in self.loops())))
-        rows.append(("peak during", *(lp.peak_phase for lp in self.loops())))
-        rows.append(("optimizer kernel", *(lp.kernel for lp in self.loops())))
-        width = [max(len(r[i]) for r in rows) for i in range(3)]
-        lines = ["  ".join(r[0].ljust(width[0]) if i == 0 else r[i].rjust(width[i]) for i in range(3)) for r in rows]
-        saving = self.saving_bytes
-        pct = 100 * saving / self.standard.peak_bytes if self.standard.peak_bytes else 0.0
-        lines.append(f"saving: {saving / MiB:.1f} MiB ({pct:.1f} % of the standard peak), {self.n_params:,} "
-                     f"parameters, {self.options.get('layout', 'one process')}")
-        lines += [f"not seen: {why}" for why in self.not_seen]
-        return "\n".join(lines)
-
-    def plot(self, path: str) -> None:
-        """A PNG of both loops' bytes alive through the warm step (needs matplotlib)."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(9, 4))
-        for lp in self.loops():
-            n = max(1, lp.timeline[-1][0])
-            ax.plot([e / n for e, _, _ in lp.timeline], [b / MiB for _, _, b in lp.timeline],
-                    label=f"{lp.loop.replace('_', ' ')}: peak {lp.peak_bytes / MiB:.1f} MiB", lw=1)
-        ax.set_xlabel("progress through the warm step (allocation events)")
-        ax.set_ylabel("MiB alive (planned)")
-        ax.set_title(f"planned memory, one step; saving {self.saving_bytes / MiB:.1f} MiB")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-
-
-# -- the step, the same for planning and for measuring --------------------------------------------------------------
-def _default_kernel(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The standard loop's kernel where the caller chose none: fused where the class has it (not SGD, as the
-    in-backward engine), else foreach: the same kernel on both sides."""
-    if kwargs.get("fused") is not None or kwargs.get("foreach") is not None:
-        return {}
-    names = inspect.signature(cls.__init__).parameters
-    if "fused" in names and not issubclass(cls, torch.optim.SGD):
-        return {"fused": True}
-    return {"foreach": True} if "foreach" in names else {}
-
-
-def in_backward_kernel(opt: Any) -> str:
-    """The kernel an ``InBackwardOptimizer`` steps with: fused, foreach or for-loop."""
-    pairs = list(zip(opt.kernels, opt.param_groups))
-    return ("fused" if any(k.get("fused") or g.get("fused") for k, g in pairs) else
-            "foreach" if any(k.get("foreach") or g.get("foreach") for k, g in pairs) else "for-loop")
-
-
-def sync_accumulation(model: nn.Module) -> str | None:
-    """How ``model``'s wrapper accumulates over micro-batches: ``"no_sync"`` (DDP: ``with model.no_sync()`` on the
-    micro-batches before the last), ``"gradient_sync"`` (FSDP2: ``model.set_requires_gradient_sync(False)`` on
-    those), or ``None`` (the gradients accumulate in ``.grad``; in backward, the engine's ``accumulation_steps``)."""
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        return "no_sync"
-    from torch.distributed.fsdp import FSDPModule
-
-    return "gradient_sync" if isinstance(model, FSDPModule) else None
-
-
-class Job:
-    """A model, its optimizer in one loop (``"standard"`` or ``"in_backward"``) and one optimizer step over
-    micro-batches: what :func:`plan` traces on fake tensors and a validation runs for real. Under DDP and FSDP2 only
-    the last micro-batch reduces (``no_sync``, ``set_requires_gradient_sync``: :func:`sync_accumulation`), in both
-    loops, as the trainer accumulates; in backward that last backward steps."""
-
-    def __init__(self, model: nn.Module, loop: str, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-                 optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
-                 engine_options: dict[str, Any], before_optimizer: Callable[[nn.Module], None] | None = None
-                 ) -> None:
-        if loop not in LOOPS:
-            raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
-        self.model, self.loop, self.loss_fn = model, loop, loss_fn
-        self.max_grad_norm = engine_options.get("max_grad_norm")
-        self.clip_mode = engine_options.get("clip_mode", "exact")
-        self.accumulation_steps = engine_options.get("accumulation_steps", 1)
-        self.track_grad_norm = engine_options.get("track_grad_norm", False)
-        self.sync = sync_accumulation(model)
-        if self.sync is not None:  # the wrapper's sync accumulates: InBackwardOptimizer steps the reducing backward
-            engine_options = {**engine_options, "accumulation_steps": 1}
-        self.autocast: torch.dtype | None = None  # the forward's autocast dtype, if any
-        if before_optimizer is not None:
-            before_optimizer(model)
-        self.opt: torch.optim.Optimizer = self._optimizer(optimizer_class, optimizer_kwargs, engine_options)
-        self._previous_norm: torch.Tensor | None = None
-        self.phase: Callable[[str], None] = lambda name: None  # told where the step is (the planner's trace)
-
-    def _optimizer(self, optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
-                   engine_options: dict[str, Any]) -> torch.optim.Optimizer:
-        """The loop's optimizer over the model (``self.kernel`` set to the kernel it steps with)."""
-        if self.loop == "in_backward":
-            from dist_optim.optimizer import InBackwardOptimizer
-
-            opt = InBackwardOptimizer(self.model, optimizer_class, **engine_options, **optimizer_kwargs)
-            self.kernel = in_backward_kernel(opt)
-            return opt
-        kw = {**_default_kernel(optimizer_class, optimizer_kwargs), **optimizer_kwargs}
-        self.kernel = "fused" if kw.get("fused") else "foreach" if kw.get("foreach") else "for-loop"
-        return optimizer_class([p for p in self.model.parameters() if p.requires_grad], **kw)
-
-    def step(self, batches: Sequence[Any]) -> None:
-        """One optimizer step over ``batches`` (its micro-batches, ``accumulation_steps`` of them)."""
-        for j, batch in enumerate(batches):
-            with self._micro_batch(last=j == len(batches) - 1):
-                self.phase("forward")
-                if self.autocast is None:
-                    loss = self.loss_fn(self.model, batch) / len(batches)
-                else:
-                    device = next(self.model.parameters()).device.type
-                    with torch.autocast(device, dtype=self.autocast):
-                        loss = self.loss_fn(self.model, batch) / len(batches)
-                self.phase("backward")
-                if self.loop == "in_backward":
-                    self.opt.backward(loss)
-                else:
-                    loss.backward()
-                del loss
-        self._standard_step()
-
-    def _micro_batch(self, last: bool) -> contextlib.AbstractContextManager[Any]:
-        """The wrapper's accumulation around one micro-batch: only the last one reduces."""
-        if self.sync == "no_sync" and not last:
-            return self.model.no_sync()  # type: ignore[operator]
-        if self.sync == "gradient_sync":
-            self.model.set_requires_gradient_sync(last)  # type: ignore[operator]
-        return contextlib.nullcontext()
-
-    def _standard_step(self) -> None:
-        """The standard loop's step after its backwards: clipping, ``opt.step()``, ``opt.zero_grad()``."""
-        if self.loop == "standard":
-            self.phase("step")
-            self._clip()
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-
-    def _clip(self) -> None:
-        """The standard loop's counterpart of each clip mode (as launch/train_loop.py clips)."""
-        c, mode = self.max_grad_norm, self.clip_mode
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = None
-        if self.track_grad_norm or (c is not None and mode != "per_parameter"):
-            norm = nn.utils.get_total_norm([p.grad for p in params])
-        if c is not None:
-            if mode in ("exact", "two_pass"):
-                nn.utils.clip_grads_with_norm_(params, c, norm)
-            elif mode == "per_parameter":
-                for p in params:
-                    nn.utils.clip_grad_norm_([p], c)
-            elif self._previous_norm is not None:
-                nn.utils.clip_grads_with_norm_(params, c, self._previous_norm)
-        self._previous_norm = norm
-
-    def resident(self) -> list[torch.Tensor]:
-        """The tensors alive between steps: parameters, buffers, gradients left over, optimizer state."""
-        out = [*self.model.parameters(), *self.model.buffers()]
-        out += [p.grad for p in self.model.parameters() if p.grad is not None]
-        for state in self.opt.state.values():
-            out += [v for v in state.values() if isinstance(v, torch.Tensor)]
-        if self._previous_norm is not None:
-            out.append(self._previous_norm)
-        return out
+# the engine's options the planner models in both loops (the standard loop's counterpart of each); InBackwardOptions
+# gives their defaults
+PLANNED_OPTIONS = ("bucket_cap_mb", "per_parameter", "accumulation_steps", "max_grad_norm", "clip_mode",
+                   "track_grad_norm")
 
 
 # -- planning -------------------------------------------------------------------------------------------------------
 def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any],
                 loss_fn: Callable[[nn.Module, Any], torch.Tensor], optimizer_class: type[torch.optim.Optimizer],
                 optimizer_kwargs: dict[str, Any], engine_options: dict[str, Any],
-                autocast_dtype: torch.dtype | None, layout: Layout, mesh: Any) -> tuple[LoopPlan, int, str]:
-    from dist_optim._planner._memory_trace import MemoryTrace
-    from dist_optim._planner._fsdp2 import local
-    from dist_optim._torch_internals import FakeTensorMode, fsdp_resized_tensors, tree_leaves
-
+                autocast_dtype: torch.dtype | None, layout: Layout, mesh: Any, workspaces: Workspaces
+                ) -> tuple[LoopPlan, int, str]:
     micro = engine_options.get("accumulation_steps", 1)
-    with FakeTensorMode(), layout.inside_fake_mode(), warnings.catch_warnings():
+    built: list[nn.Module] = []  # the model, for naming the module of an operator that fails
+    with FakeTensorMode(), layout.inside_fake_mode(), named_operators(built), warnings.catch_warnings():
         # the engine compares gradients' storage addresses, which fake tensors do not have (0, and a warning):
         # only FSDP2's shared reduce-scatter buffers depend on it
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-        model = model_fn()
-        trace = MemoryTrace(layout.collective_buffers())
+        with FakeCopies():  # copy.deepcopy in the builder copies into this fake mode
+            model = model_fn()
+        built.append(model)
+        trace = MemoryTrace(layout.collective_buffers(), workspaces)
 
         def seen(p: torch.Tensor) -> None:
             block = trace.block_of(local(p.grad))
@@ -316,38 +101,12 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
         return loop_plan(loop, trace, start, model, job), n_params, device
 
 
-def loop_plan(loop: str, trace: Any, start: int, model: nn.Module, job: Job) -> LoopPlan:
-    """A traced loop's plan: its peak split into CATEGORIES (``model``'s parameters and buffers, ``job``'s optimizer
-    state, the blocks that were a ``.grad``, those made in the forward, the rest)."""
-    from dist_optim._planner._fsdp2 import local
-
-    # ids of blocks alive now (and so unique): the parameters' and the optimizer state's
-    params = {id(trace.block_of(local(t))) for t in [*model.parameters(), *model.buffers()]} - {id(None)}
-    state = {id(trace.block_of(local(v))) for s in job.opt.state.values() for v in s.values()
-             if isinstance(v, torch.Tensor)} - {id(None)}
-    breakdown = dict.fromkeys(CATEGORIES, 0)
-    for block, nbytes in trace.peak_blocks:
-        key = id(block)
-        category = ("parameters" if key in params else "optimizer_state" if key in state else
-                    "communication" if block.is_comm else "gradients" if block.is_grad else
-                    "activations" if block.phase == "forward" else "other")
-        breakdown[category] += nbytes
-    assert sum(breakdown.values()) == trace.peak, (breakdown, trace.peak)
-    return LoopPlan(loop, trace.peak, start, breakdown, trace.peak_phase, job.kernel, trace.timeline)
-
-
 def plan(
     model_fn: Callable[[], nn.Module],
     batch_fn: Callable[[], Any],
     loss_fn: Callable[[nn.Module, Any], torch.Tensor],
     optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
     *,
-    bucket_cap_mb: float = 4.0,
-    per_parameter: bool = False,
-    accumulation_steps: int = 1,
-    max_grad_norm: float | None = None,
-    clip_mode: str = "exact",
-    track_grad_norm: bool = False,
     autocast_dtype: torch.dtype | None = None,
     world_size: int = 1,
     parallel: str = "none",
@@ -361,7 +120,7 @@ def plan(
     shard_size: int | None = None,
     parallelize: Callable[[nn.Module, Any], Any] | None = None,
     backend: str | None = None,
-    **optimizer_kwargs: Any,
+    **kwargs: Any,
 ) -> MemoryPlan:
     """Plan one warm training step's memory on this process, for the standard loop and in backward, without
     allocating the model.
@@ -379,11 +138,6 @@ def plan(
         loss_fn: ``loss_fn(model, batch)``, the micro-batch's loss (the planner divides it by
             ``accumulation_steps``).
         optimizer_class: a ``torch.optim.Optimizer`` subclass.
-        bucket_cap_mb, per_parameter, accumulation_steps, max_grad_norm, clip_mode, track_grad_norm: the
-            engine's options (see ``InBackwardOptimizer``); the standard loop clips as ``clip_mode`` says. Under
-            ``"ddp"`` and ``"fsdp2"`` the micro-batches accumulate as those wrappers do, in both loops: the first
-            ``accumulation_steps - 1`` under ``model.no_sync()`` or ``model.set_requires_gradient_sync(False)``,
-            the last one reducing (and, in backward, stepping).
         autocast_dtype: run the forward and the loss under ``torch.autocast`` with this dtype (mixed precision:
             the parameters, gradients and state keep theirs).
         world_size, parallel: the layout, planned for one representative rank, each rank on its own
@@ -419,7 +173,12 @@ def plan(
             CPU, NCCL on CUDA). Under FSDP2, FSDP2 x TP and HSDP the plan adds gloo's buffers inside the all-gather
             (a flat output) and the reduce-scatter (a copy of the input) for each collective's duration, under
             ``communication``; none for NCCL, whose internal buffers are not torch's allocator's (not seen).
-        **optimizer_kwargs: ``optimizer_class``'s options (``lr``, ...).
+        **kwargs: the engine's options planned, as ``InBackwardOptimizer`` takes them, with its defaults
+            (``bucket_cap_mb``, ``per_parameter``, ``accumulation_steps``, ``max_grad_norm``, ``clip_mode``,
+            ``track_grad_norm``; the others are refused), and ``optimizer_class``'s options (``lr``, ...). The
+            standard loop clips as ``clip_mode`` says. Under ``"ddp"`` and ``"fsdp2"`` the micro-batches accumulate
+            as those wrappers do, in both loops: the first ``accumulation_steps - 1`` under ``model.no_sync()`` or
+            ``model.set_requires_gradient_sync(False)``, the last one reducing (and, in backward, stepping).
 
     Returns:
         A :class:`MemoryPlan`: each loop's peak, its split, the saving, bytes per parameter, both timelines. Under
@@ -427,7 +186,8 @@ def plan(
 
     Raises:
         ValueError: an engine option is out of range (as ``InBackwardOptimizer`` raises it).
-        NotImplementedError: a layout that is not planned, or an option the layout's optimizer refuses.
+        NotImplementedError: a layout that is not planned, an engine option the planner does not model, or an
+            option the layout's optimizer refuses.
 
     Example:
         >>> import torch, dist_optim
@@ -439,32 +199,52 @@ def plan(
         >>> p.saving_bytes > 2**20
         True
     """
-    if clip_mode not in CLIP_MODES:
-        raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
-    engine = dict(bucket_cap_mb=bucket_cap_mb, per_parameter=per_parameter, accumulation_steps=accumulation_steps,
-                  max_grad_norm=max_grad_norm, clip_mode=clip_mode, track_grad_norm=track_grad_norm)
+    engine, optimizer_kwargs = _engine_options(kwargs)
+    # a class whose step cannot run on fake tensors is traced as its state (_lowbit), said in not_seen
+    traced = optimizer_class if steps_on_fake(optimizer_class) else stand_in(optimizer_class, optimizer_kwargs)
+    name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
     if parallel == "pp":
-        from dist_optim._planner._pipeline import plan_pipeline
-
         check_backend(parallel, backend)
-        p = plan_pipeline(model_fn, batch_fn, loss_fn, optimizer_class, world_size=world_size,
+        p = plan_pipeline(model_fn, batch_fn, loss_fn, traced, world_size=world_size,
                           n_microbatches=n_microbatches, pp_schedule=pp_schedule, pp_stage_fn=pp_stage_fn,
                           engine=engine, autocast_dtype=autocast_dtype, optimizer_kwargs=optimizer_kwargs)
         for q in (p, *p.stages):
-            q.options["backend"] = backend
+            q.options.update(backend=backend, optimizer_class=name)
+            q.not_seen += _not_seen(optimizer_class, traced)
         return p
     layout = Layout(parallel, world_size, ddp_bucket_cap_mb, gradient_as_bucket_view, fsdp_units, tp_size, shard_size,
                     parallelize, backend)
     layout.check(engine)
     plans = {}
+    workspaces = Workspaces()  # calibrated once for both loops
     with layout.group() as mesh:
         for loop in LOOPS:
-            plans[loop], n_params, device = _trace_loop(loop, model_fn, batch_fn, loss_fn, optimizer_class,
-                                                        optimizer_kwargs, engine, autocast_dtype, layout, mesh)
+            logger.info("tracing the %s loop on fake tensors, %s", loop.replace("_", " "), layout.describe())
+            plans[loop], n_params, device = _trace_loop(loop, model_fn, batch_fn, loss_fn, traced,
+                                                        optimizer_kwargs, engine, autocast_dtype, layout, mesh,
+                                                        workspaces)
     if parallel != "none" and backend is None:  # as the collectives chose it: by the tensors' device
         layout = dataclasses.replace(layout, backend="nccl" if device == "cuda" else "gloo")
     options = {**engine, **layout.recorded(),
                "autocast_dtype": None if autocast_dtype is None else str(autocast_dtype).split(".")[-1],
-               "optimizer_class": f"{optimizer_class.__module__}.{optimizer_class.__qualname__}",
+               "optimizer_class": name,
                "optimizer_kwargs": {k: v for k, v in optimizer_kwargs.items() if isinstance(v, (int, float, str))}}
-    return MemoryPlan(plans["standard"], plans["in_backward"], n_params, options, NOT_SEEN + layout.not_seen())
+    return MemoryPlan(plans["standard"], plans["in_backward"], n_params, options,
+                      NOT_SEEN + layout.not_seen() + _not_seen(optimizer_class, traced) + workspaces.said())
+
+
+def _not_seen(optimizer_class: type, traced: type) -> tuple[str, ...]:
+    return () if traced is optimizer_class else lowbit_not_seen(optimizer_class)
+
+
+def _engine_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``plan``'s keyword arguments split into the engine's planned options (checked, with the engine's defaults:
+    ``InBackwardOptions``) and the optimizer's."""
+    keywords = engine_keywords()
+    unmodelled = sorted(k for k in kwargs if k in keywords and k not in PLANNED_OPTIONS)
+    if unmodelled:
+        raise NotImplementedError(f"plan() does not model the engine option(s) {', '.join(unmodelled)}; it plans "
+                                  f"{', '.join(PLANNED_OPTIONS)} (leave the others out of the plan)")
+    options = InBackwardOptions(**{k: v for k, v in kwargs.items() if k in PLANNED_OPTIONS})
+    engine = {k: getattr(options, k) for k in PLANNED_OPTIONS}
+    return engine, {k: v for k, v in kwargs.items() if k not in keywords}
