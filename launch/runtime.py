@@ -10,6 +10,7 @@ import datetime
 import gc
 import os
 import signal
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,29 +54,40 @@ class Runtime:
 
 
 class TermSignal:
-    """Notes SIGTERM, which schedulers send some seconds before they kill a job, so that the run stops at a step
-    boundary instead of dying mid-step. Use as a context manager (main thread); the previous handler comes back."""
+    """Notes SIGTERM, which schedulers send some seconds before they kill a job, and a first Ctrl-C (SIGINT), so that
+    the run stops at a step boundary with a checkpoint instead of dying mid-step; a second Ctrl-C aborts at once
+    (``KeyboardInterrupt``). Use as a context manager (main thread); the previous handlers come back."""
 
-    def __init__(self) -> None:
-        self.received = False
-        self._previous: Any = None
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, announce: bool = True) -> None:
+        self.received: str | None = None  # the first signal's name
+        self.announce = announce  # whether this process says what a Ctrl-C does (rank 0)
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> TermSignal:
-        self._previous = signal.signal(signal.SIGTERM, self._note)
+        self._previous = {s: signal.signal(s, self._note) for s in self.SIGNALS}
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
 
     def _note(self, signum: int, frame: Any) -> None:
-        self.received = True
+        if signum == signal.SIGINT and self.received is not None:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt  # a second Ctrl-C: abort now, without the checkpoint
+        if self.received is None and signum == signal.SIGINT and self.announce:
+            print("\nCtrl-C: stopping after this step with a checkpoint (press Ctrl-C again to abort at once)",
+                  file=sys.stderr, flush=True)
+        self.received = self.received or ("Ctrl-C" if signum == signal.SIGINT else "SIGTERM")
 
     def agreed(self, rt: Runtime) -> bool:
-        """Whether any rank has received SIGTERM: the signal reaches ranks at different steps (or only some of
+        """Whether any rank has received SIGTERM or a Ctrl-C: the signal reaches ranks at different steps (or only some of
         them), so every rank stops after the same step. Collective: call on every rank at the same step."""
         if not rt.distributed:
-            return self.received
-        flag = torch.tensor(int(self.received), device=rt.device)
+            return self.received is not None
+        flag = torch.tensor(int(self.received is not None), device=rt.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 

@@ -162,7 +162,7 @@ def train(cfg: TrainConfig, rt: Runtime, parallel: str, corpus: Corpus) -> None:
     run_log = RunLog(cfg.run_dir, rt.is_main, cfg.log_every, resume_step=first - 1 if cfg.resume else None)
     done = []
     try:
-        with TermSignal() as term:
+        with TermSignal(announce=rt.is_main) as term:
             for step in range(first, last + 1):
                 done.append(job.step(step))
                 run_log.record(done[-1])
@@ -171,7 +171,9 @@ def train(cfg: TrainConfig, rt: Runtime, parallel: str, corpus: Corpus) -> None:
                         f"the loss is {done[-1].loss} at step {step} (lr {done[-1].lr:.3g}): the run diverged; lower "
                         f"--lr or clip with --max-grad-norm (the last checkpoint, if any, is from before)")
                 stopping = step < last and term.agreed(rt)
-                if stopping or (cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step == last)):
+                at_stop = step == last and cfg.stop_after is not None  # --stop-after: resumable without --checkpoint-every
+                if stopping or at_stop or (cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0
+                                                                       or step == last)):
                     try:
                         checkpoints.save(step, model=job.model, optimizer=job.opt, schedulers=[job.sched],
                                          extra={"parallel": parallel, "optimizer_mode": cfg.optimizer_mode,
@@ -179,14 +181,16 @@ def train(cfg: TrainConfig, rt: Runtime, parallel: str, corpus: Corpus) -> None:
                     except NotImplementedError as e:  # states dist_optim.checkpoint cannot save (a subclass it cannot flatten)
                         raise LaunchError(f"--optimizer {cfg.optimizer}: cannot checkpoint its states: "
                                           f"{' '.join(str(e).split())}") from e
+                    if rt.is_main:
+                        log.info("checkpoint: step %d saved in %s", step, checkpoints.directory)
                     if pipelined:
                         rt.all_gather(step)  # every stage has committed this step
                         if replica == 0:  # one rank per stage's folder
                             checkpoints.prune(cfg.keep_checkpoints)
                 if stopping:
                     if rt.is_main:
-                        log.warning("SIGTERM: stopped after step %d with a checkpoint; continue with --resume latest",
-                                    step)
+                        log.warning("%s: stopped after step %d with a checkpoint; continue with --resume latest",
+                                    term.received or "SIGTERM", step)
                     break
     finally:
         run_log.close()

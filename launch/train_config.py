@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -207,8 +209,21 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
     """Parse ``argv`` into a :class:`TrainConfig`; exits with code 2 and a one-line message on a bad flag/value."""
     parser = build_parser()
+    _suggest_flags(parser, sys.argv[1:] if argv is None else argv)
     ns = parser.parse_args(argv)
     try:
         return TrainConfig(**vars(ns))
     except ValueError as e:
         parser.error(str(e))
+
+
+def _suggest_flags(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """An unknown ``--flag`` close to a known one (``--max_grad_norm``): one line naming the flag meant."""
+    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if not flag.startswith("--") or flag in known or any(k.startswith(flag) for k in known):
+            continue  # a known flag, or an abbreviation argparse resolves (or refuses as ambiguous) itself
+        close = difflib.get_close_matches(flag.replace("_", "-"), known, n=1, cutoff=0.8)
+        if close:
+            parser.error(f"unrecognized argument {flag}: did you mean {close[0]}?")

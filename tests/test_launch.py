@@ -386,3 +386,64 @@ def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_and_resumes_exac
     assert _steps_on_disk(tmp_path, "run") == stopped and len(_losses(tmp_path, "run")) == stopped[0] + 1
     _train(tmp_path, "run", *opts, "--resume", "latest", nproc=2)
     assert _losses(tmp_path, "run") == _losses(tmp_path, "full")
+
+
+# -- at the terminal ------------------------------------------------------------------------------------------------
+def _interrupt(tmp_path: pathlib.Path, run: str, opts: list[str], signals: int) -> tuple[int, str]:
+    """Start a one-process run, send ``signals`` Ctrl-Cs (SIGINT) once it has logged 3 steps; its exit code and
+    output."""
+    cmd = [sys.executable, *TRAIN, *TINY, *opts, "--run-dir", str(tmp_path / run)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    metrics = tmp_path / run / "metrics.jsonl"
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
+        try:
+            while p.poll() is None and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+                time.sleep(0.02)
+            for _ in range(signals):
+                p.send_signal(signal.SIGINT)
+                time.sleep(0.05)
+            output, _ = p.communicate(timeout=240)
+        finally:
+            p.kill()
+    return p.returncode, output
+
+
+def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resumes_exactly(tmp_path):
+    opts = ["--steps", "60", "--log-every", "1"]
+    _train(tmp_path, "full", *opts)
+    code, output = _interrupt(tmp_path, "run", opts, signals=1)
+    assert code == 0 and "Traceback" not in output, output[-4000:]
+    assert "Ctrl-C: stopping after this step with a checkpoint (press Ctrl-C again to abort at once)" in output
+    stopped = [int(s) for s in re.findall(r"Ctrl-C: stopped after step (\d+) with a checkpoint; continue with "
+                                          r"--resume latest", output)]
+    assert len(stopped) == 1 and stopped[0] < 59, output[-4000:]
+    assert f"checkpoint: step {stopped[0]} saved in" in output
+    assert _steps_on_disk(tmp_path, "run") == stopped
+    _train(tmp_path, "run", *opts, "--resume", "latest")
+    assert _losses(tmp_path, "run") == _losses(tmp_path, "full")
+
+
+def test_a_second_ctrl_c_aborts_at_once(tmp_path):
+    code, output = _interrupt(tmp_path, "run", ["--steps", "200", "--log-every", "1"], signals=2)
+    assert code != 0 and "stopped after step" not in output, output[-4000:]
+    assert not (tmp_path / "run" / "checkpoints").exists() or _steps_on_disk(tmp_path, "run") == []
+
+
+def test_stop_after_saves_a_checkpoint_to_resume_from(tmp_path):
+    _train(tmp_path, "full")
+    out = _train(tmp_path, "part", "--stop-after", "2")  # no --checkpoint-every
+    assert "checkpoint: step 2 saved in" in out.stderr
+    assert _steps_on_disk(tmp_path, "part") == [2]
+    out = _train(tmp_path, "part", "--resume", "latest")
+    assert "resumed from" in out.stderr
+    assert _losses(tmp_path, "part") == _losses(tmp_path, "full")
+
+
+def test_an_underscored_flag_names_the_flag_meant(capsys):
+    from launch.train_config import parse_config
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(["--max_grad_norm", "1.0"])
+    assert exit_.value.code == 2
+    assert "unrecognized argument --max_grad_norm: did you mean --max-grad-norm?" in capsys.readouterr().err
+    assert parse_config(["--max-grad", "1.0"]).max_grad_norm == 1.0  # argparse's own abbreviation still works
