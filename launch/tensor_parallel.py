@@ -60,8 +60,10 @@ def batch_split(cfg: Any, rt: Runtime, parallel: str, tp_size: int) -> tuple[int
     dp_rank, dp_size = data_parallel(rt, parallel, tp_size)
     if cfg.batch_size % (dp_size * cfg.accumulation_steps):
         ranks = "data-parallel replicas (world / TP size)" if tp_size else "world size"
-        raise LaunchError(f"batch_size must be a multiple of {ranks} x accumulation_steps = {dp_size} x "
-                          f"{cfg.accumulation_steps}, got {cfg.batch_size}")
+        unit = dp_size * cfg.accumulation_steps
+        nearest = max(unit, round(cfg.batch_size / unit) * unit)
+        raise LaunchError(f"--batch-size {cfg.batch_size} must be a multiple of the {ranks} x --accumulation-steps "
+                          f"= {dp_size} x {cfg.accumulation_steps} = {unit}: pass e.g. --batch-size {nearest}")
     return dp_rank, dp_size
 
 

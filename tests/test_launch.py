@@ -117,7 +117,11 @@ def test_flags_reach_the_config():
 def test_refused_settings_are_one_line_errors(tmp_path, capsys):
     run = ["--run-dir", str(tmp_path / "r")]
     assert train.main([*TINY, *run, "--batch-size", "7", "--accumulation-steps", "2"]) == 2
-    assert "batch_size must be a multiple of world size x accumulation_steps = 1 x 2, got 7" in capsys.readouterr().err
+    assert ("--batch-size 7 must be a multiple of the world size x --accumulation-steps = 1 x 2 = 2: pass e.g. "
+            "--batch-size 8") in capsys.readouterr().err
+    assert train.main([*TINY, *run, "--batch-size", "16", "--nproc", "3", "--plan"]) == 2  # torchrun's 3 processes
+    assert ("--batch-size 16 must be a multiple of the world size x --accumulation-steps = 3 x 1 = 3: pass e.g. "
+            "--batch-size 15") in capsys.readouterr().err
     assert train.main([*TINY, *run, "--parallel", "ddp"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "launch.train: error: --parallel ddp needs a process group: launch with torchrun"

@@ -65,8 +65,8 @@ def test_tp_needs_torchrun_and_pp_with_tp_is_no_choice(tmp_path, capsys):
 def test_batch_splits_over_the_replicas_not_the_tp_ranks():
     cfg = parse_config([*TINY, *FSDP2_TP, "--batch-size", "6", "--accumulation-steps", "2"])
     with pytest.raises(LaunchError, match=re.escape(  # refused before the model is built
-            "batch_size must be a multiple of data-parallel replicas (world / TP size) x accumulation_steps = 2 x 2, "
-            "got 6")):
+            "--batch-size 6 must be a multiple of the data-parallel replicas (world / TP size) x "
+            "--accumulation-steps = 2 x 2 = 4: pass e.g. --batch-size 8")):
         Job(cfg, _ranks(4), None, "fsdp2+tp", "in_backward")
 
 
