@@ -73,7 +73,12 @@ def _replicate(module: nn.Module, mesh, shared: dict[int, tuple[nn.Parameter, nn
     wrapped as ``Replicate`` and (``unwrap``) the output is unwrapped, so its neighbours see plain tensors as they do
     around the sharded MLP. ``shared`` maps the plain parameters already replaced to their DTensors (keeps a tied
     head tied)."""
-    from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+    from torch.distributed.tensor import (
+        DTensor,
+        Replicate,
+        distribute_module,
+        distribute_tensor,
+    )
 
     def partition(name: str, mod: nn.Module, mesh) -> None:
         if mod is not module:
@@ -104,7 +109,11 @@ def tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
     (``ColwiseParallel`` then ``RowwiseParallel``), every other parameter a replicated DTensor; the logits are a
     replicated DTensor (:func:`parallelize` unwraps them). The memory planner takes it as ``parallelize(model,
     mesh)`` (``dist_optim.plan(..., parallelize=tensor_parallel)``). Collective: call on every rank."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     # Megatron's MLP: mlp.0 split by output columns, GELU on each rank's columns, mlp.2 by input rows and its
     # output all-reduced. Attention stays replicated: the fused qkv Linear's rows are [q; k; v], so a Shard(0) of it

@@ -156,6 +156,11 @@ def train(cfg: TrainConfig, rt: Runtime, parallel: str, corpus: Corpus) -> None:
     if rt.is_main:
         write_config(cfg)
     last = cfg.steps - 1 if cfg.stop_after is None else min(cfg.steps - 1, cfg.stop_after)
+    if first > last:
+        if rt.is_main:
+            log.info("done: the run in %s is finished (its checkpoint is of step %d, the last of --steps %d); to "
+                     "train on, resume with a larger --steps", cfg.run_dir, first - 1, cfg.steps)
+        return
     if rt.is_main:
         log.info("%s, %d process(es), %s, %s mode, %.2fM parameters, steps %d to %d of %d", cfg.run_dir,
                  rt.world, parallel, cfg.optimizer_mode, job.n_params / 1e6, first, last, cfg.steps)

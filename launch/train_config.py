@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import difflib
 import math
+import os
 import sys
 import types
 import typing
@@ -211,6 +212,14 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     parser = build_parser()
     _suggest_flags(parser, sys.argv[1:] if argv is None else argv)
     ns = parser.parse_args(argv)
+    if ns.warmup_steps >= ns.steps >= 1:
+        # the whole run would warm up, lr never reaching --lr: the warm-up fitted to the run (the same on a resume)
+        fitted = ns.steps // 10
+        if os.environ.get("RANK", "0") == "0":
+            print(f"launch.train: warning: --warmup-steps {ns.warmup_steps} is not below --steps {ns.steps}: the "
+                  f"whole run would be warm-up, lr never reaching --lr; warming up over {fitted} steps (a tenth of "
+                  "the run) instead. Pass a --warmup-steps below --steps to choose", file=sys.stderr)
+        ns.warmup_steps = fitted
     try:
         return TrainConfig(**vars(ns))
     except ValueError as e:

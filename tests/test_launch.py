@@ -451,3 +451,20 @@ def test_an_underscored_flag_names_the_flag_meant(capsys):
     assert exit_.value.code == 2
     assert "unrecognized argument --max_grad_norm: did you mean --max-grad-norm?" in capsys.readouterr().err
     assert parse_config(["--max-grad", "1.0"]).max_grad_norm == 1.0  # argparse's own abbreviation still works
+
+
+def test_a_warm_up_longer_than_the_run_is_fitted_to_it_with_a_warning(tmp_path):
+    out = _train(tmp_path, "r", "--steps", "10", "--warmup-steps", "50", "--log-every", "1")
+    assert ("launch.train: warning: --warmup-steps 50 is not below --steps 10: the whole run would be warm-up, lr "
+            "never reaching --lr; warming up over 1 steps") in out.stderr
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert max(lrs) == pytest.approx(3e-3)  # --lr reached after the one warm-up step
+    assert lrs[-1] < max(lrs)  # and the cosine decay ran
+
+
+def test_resuming_a_finished_run_says_it_is_finished(tmp_path):
+    _train(tmp_path, "r", "--checkpoint-every", "3")
+    out = _train(tmp_path, "r", "--resume", "latest")
+    assert "done: the run in" in out.stderr and "is finished (its checkpoint is of step 5, the last of --steps 6)" \
+        in out.stderr
+    assert "steps 6 to 5" not in out.stderr
