@@ -86,9 +86,13 @@ Options that change the training loop:
   and bytes per parameter of both loops: parameters and optimizer states counted from their tensors, then with the
   profiled step's peak above them).
 
-Output: a progress line per step on rank 0, RUN_DIR/metrics.jsonl (one JSON object per step), TensorBoard events in
-RUN_DIR/tensorboard when TensorBoard is installed, RUN_DIR/config.json (the options in effect). Exit codes: 0 done
-(or stopped by SIGTERM), 2 a refused flag or setting (a one-line error), 1 a loss that turned NaN or infinite.
+Output: a progress line per step on rank 0, RUN_DIR/metrics.jsonl (one JSON object per step: step, loss, lr,
+grad_norm, tokens/s, and per rank in rank order grad_bytes_peak, the gradient bytes alive at once in the step, and
+memory_peak_bytes, the CUDA allocator's peak in the step or on CPU the process's resident high-water mark so far),
+TensorBoard events in RUN_DIR/tensorboard when TensorBoard is installed, RUN_DIR/config.json (the options in effect).
+Ctrl-C stops as SIGTERM does: after the step, with a checkpoint (a second Ctrl-C aborts at once). Exit codes: 0 done
+(or stopped by SIGTERM or Ctrl-C), 2 a refused flag or setting (a one-line error), 1 a loss that turned NaN or
+infinite.
 """
 
 from __future__ import annotations

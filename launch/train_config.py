@@ -50,8 +50,8 @@ class TrainConfig:
     seed: int = _opt(0, "seed of the initial model and of the batches")
     # optimization
     steps: int = _opt(200, "optimizer steps (the LR schedule's length)")
-    stop_after: int | None = _opt(None, "end this process run after this step, as a time limit or a preemption "
-                                        "would (resume later with --resume latest)")
+    stop_after: int | None = _opt(None, "end this process run after this step, with a checkpoint, as a time "
+                                        "limit or a preemption would (resume later with --resume latest)")
     lr: float = _opt(3e-3, "peak learning rate")
     min_lr_ratio: float = _opt(0.1, "final lr as a fraction of --lr (cosine decay)")
     warmup_steps: int = _opt(20, "linear warm-up steps")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import pathlib
 import time
 from dataclasses import dataclass
 
@@ -53,6 +54,11 @@ class StepResult:
     grad_norm: float | None
     tokens: int
     seconds: float
+    # per rank, in rank order: the gradient bytes alive at once in the step (in backward: opt.last_step's peak; the
+    # standard loop: every gradient, as opt.step() reads them), and the memory peak (CUDA: the allocator's peak in
+    # the step; CPU: the process's resident high-water mark so far, VmHWM)
+    grad_bytes_peak: list[int] | None = None
+    memory_peak_bytes: list[int] | None = None
 
 
 def _across_stages(norm: torch.Tensor, group) -> torch.Tensor:
@@ -151,6 +157,8 @@ class Job:
         """One optimizer step: every micro-batch of global batch ``step``, then the step (in backward, or after)."""
         cfg = self.cfg
         t0 = time.perf_counter()
+        if self.rt.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.rt.device)
         lr = float(self.opt.param_groups[0]["lr"])
         if self.pipe is not None:
             # each pipeline replica takes its part of the global batch (the whole of it under pp), as fsdp2's ranks
@@ -178,10 +186,12 @@ class Job:
             total += loss.detach()
         if self.mode == "standard":
             norm = self._clip_standard()
+            grad_bytes = _grad_bytes(self.model)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
         else:
             norm = self.opt.grad_norm
+            grad_bytes = self.opt.last_step.grad_bytes_peak
         if norm is not None and self.pipe is not None:
             # a sharded stage's norm is a DTensor: its full value first, then summed over one rank per stage
             norm = _across_stages(_full(norm), self.pipe.pp_group)
@@ -191,6 +201,8 @@ class Job:
             step=step, loss=loss_value, lr=lr,
             grad_norm=None if norm is None else _full(norm).item(),
             tokens=cfg.batch_size * cfg.block_size, seconds=time.perf_counter() - t0,
+            **dict(zip(("grad_bytes_peak", "memory_peak_bytes"),
+                       map(list, zip(*self.rt.all_gather((int(grad_bytes), _memory_peak(self.rt.device))))))),
         )
 
     def _clip_standard(self) -> torch.Tensor | None:
@@ -212,3 +224,21 @@ class Job:
                 nn.utils.clip_grads_with_norm_(params, c, self._previous_norm)
         self._previous_norm = norm
         return norm
+
+
+def _grad_bytes(model: nn.Module) -> int:
+    """The bytes of this rank's gradients alive now (a sharded gradient's local part)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return sum((g.to_local() if hasattr(g, "to_local") else g).nbytes for g in grads)
+
+
+def _memory_peak(device: torch.device) -> int:
+    """CUDA: the allocator's peak since the step began; CPU: the process's resident high-water mark (VmHWM)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        status = pathlib.Path("/proc/self/status").read_text()
+    except OSError:
+        return 0  # not Linux: no figure
+    kib = next((line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")), "0")
+    return int(kib) * 1024

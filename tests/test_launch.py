@@ -468,3 +468,17 @@ def test_resuming_a_finished_run_says_it_is_finished(tmp_path):
     assert "done: the run in" in out.stderr and "is finished (its checkpoint is of step 5, the last of --steps 6)" \
         in out.stderr
     assert "steps 6 to 5" not in out.stderr
+
+
+@pytest.mark.parametrize("mode", ["in_backward", "standard"])
+def test_metrics_carry_each_ranks_memory(tmp_path, mode):
+    _train(tmp_path, "r", "--optimizer-mode", mode, "--log-every", "1", nproc=2)
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert len(row["grad_bytes_peak"]) == 2 and len(row["memory_peak_bytes"]) == 2, row
+        assert all(b > 0 for b in row["grad_bytes_peak"]) and all(m > 0 for m in row["memory_peak_bytes"]), row
+    # FSDP2: each rank holds its shards' gradients; in backward a bucket at a time, in the standard loop all of them
+    held = rows[-1]["grad_bytes_peak"]
+    if mode == "standard":
+        assert held[0] == pytest.approx(held[1], rel=0.2)
+
