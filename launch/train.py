@@ -168,7 +168,8 @@ def train(cfg: TrainConfig, rt: Runtime, parallel: str, corpus: Corpus) -> None:
     if rt.is_main:
         log.info("%s, %d process(es), %s, %s mode, %.2fM parameters, steps %d to %d of %d", cfg.run_dir,
                  rt.world, parallel, cfg.optimizer_mode, job.n_params / 1e6, first, last, cfg.steps)
-    run_log = RunLog(cfg.run_dir, rt.is_main, cfg.log_every, resume_step=first - 1 if cfg.resume else None)
+    run_log = RunLog(cfg.run_dir, rt.is_main, cfg.log_every, resume_step=first - 1 if cfg.resume else None,
+                     last_step=last)
     done = []
     try:
         with TermSignal(announce=rt.is_main) as term:

@@ -482,3 +482,9 @@ def test_metrics_carry_each_ranks_memory(tmp_path, mode):
     if mode == "standard":
         assert held[0] == pytest.approx(held[1], rel=0.2)
 
+
+def test_the_progress_line_says_the_time_left(tmp_path):
+    out = _train(tmp_path, "r", "--log-every", "1")
+    lines = [line for line in out.stderr.splitlines() if line.startswith("step ")]
+    assert len(lines) == 6 and all(re.search(r"  eta \d+:\d\d:\d\d$", line) for line in lines[:-1]), lines
+    assert "eta" not in lines[-1]
