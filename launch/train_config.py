@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import math
 import os
+import pathlib
 import sys
 import types
 import typing
@@ -212,6 +214,8 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     parser = build_parser()
     _suggest_flags(parser, sys.argv[1:] if argv is None else argv)
     ns = parser.parse_args(argv)
+    if ns.resume is not None:
+        _resumed_shape(ns, _given(sys.argv[1:] if argv is None else argv))
     if ns.warmup_steps >= ns.steps >= 1:
         # the whole run would warm up, lr never reaching --lr: the warm-up fitted to the run (the same on a resume)
         fitted = ns.steps // 10
@@ -236,3 +240,27 @@ def _suggest_flags(parser: argparse.ArgumentParser, argv: list[str]) -> None:
         close = difflib.get_close_matches(flag.replace("_", "-"), known, n=1, cutoff=0.8)
         if close:
             parser.error(f"unrecognized argument {flag}: did you mean {close[0]}?")
+
+
+RESUMED = (*MODEL_SHAPE, "optimizer")  # what a resume takes from the run's config.json unless given again
+
+
+def _given(argv: list[str]) -> set[str]:
+    """The options ``argv`` gives (argparse's abbreviations resolved), not those left at their defaults."""
+    quiet = build_parser()
+    for action in quiet._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(quiet.parse_args(argv)))
+
+
+def _resumed_shape(ns: argparse.Namespace, given: set[str]) -> None:
+    """A resume trains the model the run built: its shape and optimizer are read from RUN_DIR/config.json, where
+    the command line does not give them (those it gives are compared with the checkpoint's, which refuses a
+    change)."""
+    recorded = pathlib.Path(ns.run_dir) / "config.json"
+    if not recorded.is_file():
+        return
+    old = json.loads(recorded.read_text())
+    for key in RESUMED:
+        if key not in given and key in old:
+            setattr(ns, key, old[key])

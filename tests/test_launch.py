@@ -488,3 +488,15 @@ def test_the_progress_line_says_the_time_left(tmp_path):
     lines = [line for line in out.stderr.splitlines() if line.startswith("step ")]
     assert len(lines) == 6 and all(re.search(r"  eta \d+:\d\d:\d\d$", line) for line in lines[:-1]), lines
     assert "eta" not in lines[-1]
+
+
+def test_resume_without_the_shape_flags_reads_them_from_the_run(tmp_path):
+    _train(tmp_path, "full")
+    _train(tmp_path, "part", "--stop-after", "2")
+    shape = {"--n-layer", "--n-head", "--n-embd", "--block-size"}
+    rest = [a for i, a in enumerate(TINY) if a not in shape and (i == 0 or TINY[i - 1] not in shape)]
+    out = _run([sys.executable, *TRAIN, *rest, "--run-dir", str(tmp_path / "part"), "--resume", "latest"])
+    assert "resumed from" in out.stderr and "options changed" not in out.stderr
+    assert _losses(tmp_path, "part") == _losses(tmp_path, "full")
+    out = _train(tmp_path, "part", "--resume", "latest", "--n-layer", "3", expect=2)  # a shape given is compared
+    assert "the checkpoint's model has --n-layer 2 (now 3)" in out.stderr
