@@ -210,6 +210,15 @@ def train(cfg: TrainConfig, rt: Runtime, parallel: str, corpus: Corpus) -> None:
                  done[-1].step, done[0].loss, done[-1].loss, speed, run_log.path)
 
 
+def _check_compare_dir(run_dir: pathlib.Path) -> None:
+    """--compare writes RUN_DIR/config.json and RUN_DIR/compare: refused over a training run's directory (its
+    metrics or checkpoints would no longer match its config); an earlier comparison is replaced."""
+    held = [name for name in ("metrics.jsonl", "checkpoints") if (run_dir / name).exists()]
+    if held:
+        raise LaunchError(f"--compare: {run_dir} holds a training run ({', '.join(held)}), whose config.json it would "
+                          "overwrite; compare in another --run-dir")
+
+
 def _error(rt: Runtime | None, message: str) -> None:
     if rt is None or rt.is_main:
         print(f"launch.train: error: {message}", file=sys.stderr)
@@ -247,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.compare and (cfg.resume or cfg.checkpoint_every or cfg.overwrite):
             raise LaunchError("--compare trains two jobs from scratch: drop --resume, --checkpoint-every and "
                               "--overwrite")
+        if cfg.compare:
+            _check_compare_dir(pathlib.Path(cfg.run_dir))
         corpus = Corpus(cfg.corpus_mb, cfg.block_size, cfg.seed)
         if cfg.compare:
             if rt.is_main:

@@ -500,3 +500,12 @@ def test_resume_without_the_shape_flags_reads_them_from_the_run(tmp_path):
     assert _losses(tmp_path, "part") == _losses(tmp_path, "full")
     out = _train(tmp_path, "part", "--resume", "latest", "--n-layer", "3", expect=2)  # a shape given is compared
     assert "the checkpoint's model has --n-layer 2 (now 3)" in out.stderr
+
+
+def test_compare_into_a_training_runs_directory_is_refused_before_anything_is_written(tmp_path, capsys):
+    _train(tmp_path, "r", "--steps", "2", "--warmup-steps", "0")
+    config = (tmp_path / "r" / "config.json").read_text()
+    assert train.main([*TINY, "--run-dir", str(tmp_path / "r"), "--compare"]) == 2
+    assert (f"--compare: {tmp_path / 'r'} holds a training run (metrics.jsonl), whose config.json it would overwrite; "
+            "compare in another --run-dir") in capsys.readouterr().err
+    assert (tmp_path / "r" / "config.json").read_text() == config  # nothing written
