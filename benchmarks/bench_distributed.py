@@ -132,8 +132,12 @@ def tp_parallelize(module: TPNet, tp_mesh: Any, dp_mesh: Any) -> nn.Module:
     """torchtitan's layout: SequenceParallel norms, ColwiseParallel up (gathering the sequence), RowwiseParallel down
     (scattering it back); then, with ``dp_mesh``, ``fully_shard`` per block and the root on it."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     parallelize_module(module, tp_mesh, {"norm": SequenceParallel()})
     for block in module.blocks:

@@ -31,8 +31,8 @@ import torch
 from benchmarks import harness as h
 from benchmarks.bench_plan import OPTIMIZER_KWARGS, _builders
 from dist_optim import plan
-from dist_optim._planner._step import LOOPS, Job
 from dist_optim._planner._fsdp2 import shard
+from dist_optim._planner._step import LOOPS, Job
 from dist_optim._planner._tp import mesh_shape, wrap
 from launch.gpt import loss_fn
 from launch.tensor_parallel import tensor_parallel

@@ -28,8 +28,8 @@ import torch
 from benchmarks import harness as h
 from benchmarks.bench_plan import OPTIMIZER_KWARGS, _builders
 from dist_optim import plan
-from dist_optim._planner._step import LOOPS
 from dist_optim._planner._pipeline import PipelineJob, schedule_class
+from dist_optim._planner._step import LOOPS
 from launch.gpt import loss_fn
 from launch.pipeline import gpt_stage
 

@@ -7,7 +7,10 @@ from dist_optim.averaging import average_in_backward
 from dist_optim.engine._grad_policy import StepStats
 from dist_optim.engine._options import InBackwardOptions
 from dist_optim.optimizer import InBackwardOptimizer
-from dist_optim.parallel._seed_pair import apply_optimizer_in_backward, get_in_backward_optimizers
+from dist_optim.parallel._seed_pair import (
+    apply_optimizer_in_backward,
+    get_in_backward_optimizers,
+)
 from dist_optim.pipeline import pipeline_optimizers
 
 __all__ = [

@@ -30,7 +30,11 @@ import torch
 # FakeTensorMode: tensors with shapes and no data, on which the planner traces a step; is_fake: the engine skips a
 # value comparison that fake tensors cannot make; unset_fake_temporarily: the planner runs a device mesh's rank
 # tensors (real) outside it, which FSDP2 over a tensor-parallel mesh slices on fake tensors. Public: none yet.
-from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
+from torch._subclasses.fake_tensor import (
+    FakeTensorMode,
+    is_fake,
+    unset_fake_temporarily,
+)
 from torch.optim import optimizer as _optimizer
 from torch.utils import _foreach_utils
 

@@ -16,7 +16,11 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_swa_avg_fn, get_swa_multi_avg_fn
 from torch.utils.hooks import RemovableHandle
 
-from dist_optim._torch_internals import foreach_supported_devices, group_tensors_by_device_and_dtype, tensor_version
+from dist_optim._torch_internals import (
+    foreach_supported_devices,
+    group_tensors_by_device_and_dtype,
+    tensor_version,
+)
 from dist_optim.optimizer import InBackwardOptimizer
 
 __all__ = ["average_in_backward"]

@@ -29,7 +29,11 @@ from dist_optim.engine._class_state import (
     own_class,
 )
 from dist_optim.engine._engine import Engine
-from dist_optim.engine._fingerprint import agreement_groups, announce_failure, check_same_options
+from dist_optim.engine._fingerprint import (
+    agreement_groups,
+    announce_failure,
+    check_same_options,
+)
 from dist_optim.engine._guards import compiled_autograd_message
 from dist_optim.engine._inputs import (
     NOT_GIVEN,
@@ -46,12 +50,21 @@ from dist_optim.engine._inputs import (
     split_group,
     warn_fused_with_uneven_scale,
 )
-from dist_optim.engine._options import DEFAULT_BUCKET_CAP_MB, InBackwardOptions, options_from
+from dist_optim.engine._options import (
+    DEFAULT_BUCKET_CAP_MB,
+    InBackwardOptions,
+    options_from,
+)
 from dist_optim.engine._owners import check_unowned, record_owner, release
 from dist_optim.engine._rule import check_group
 from dist_optim.engine._saving import SavingWatch
 from dist_optim.engine._stepper import Recipe
-from dist_optim.parallel._ddp import DDPCommHook, check_ddp, ddp_managed, reordering_refused
+from dist_optim.parallel._ddp import (
+    DDPCommHook,
+    check_ddp,
+    ddp_managed,
+    reordering_refused,
+)
 from dist_optim.parallel._fsdp2 import fsdp_units
 
 __all__: list[str] = []

@@ -16,7 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from dist_optim._torch_internals import PERFORM_REDUCE_GRAD, graph_task_id, is_schedule, n_microbatches, schedule_stages
+from dist_optim._torch_internals import (
+    PERFORM_REDUCE_GRAD,
+    graph_task_id,
+    is_schedule,
+    n_microbatches,
+    schedule_stages,
+)
 from dist_optim.engine._inputs import is_dtensor
 from dist_optim.engine._link import engine_of
 from dist_optim.engine._options import InBackwardOptions, engine_keywords
@@ -108,7 +114,9 @@ def _stage_optimizer(schedule: Any, stage: Any, n: int, scale: bool, engine_opti
                      optimizer_class: type[torch.optim.Optimizer], rest: dict[str, Any],
                      allow_local_steps: bool) -> InBackwardOptimizer:
     """The optimizer of one (checked) stage."""
-    from torch.distributed.fsdp import FSDPModule  # a schedule exists only where torch.distributed does
+    from torch.distributed.fsdp import (
+        FSDPModule,  # a schedule exists only where torch.distributed does
+    )
 
     module = stage.submod
     sharded = isinstance(module, FSDPModule)

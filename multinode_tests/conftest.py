@@ -6,7 +6,6 @@ from __future__ import annotations
 import uuid
 
 import pytest
-
 from nodes import TRAIN_ARGS, Agent, kill_tagged, wait_all
 
 

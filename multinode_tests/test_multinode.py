@@ -10,10 +10,24 @@ import shutil
 import signal
 
 import pytest
-
-from nodes import (FAULTY_TRAIN, STEPS, TRAIN_ARGS, Agent, checkpoint_dir, checkpoint_state, committed_steps,
-                   final_state, free_port, listening, losses, report, state_differences, two_node_args, wait_all,
-                   wait_for)
+from nodes import (
+    FAULTY_TRAIN,
+    STEPS,
+    TRAIN_ARGS,
+    Agent,
+    checkpoint_dir,
+    checkpoint_state,
+    committed_steps,
+    final_state,
+    free_port,
+    listening,
+    losses,
+    report,
+    state_differences,
+    two_node_args,
+    wait_all,
+    wait_for,
+)
 
 pytestmark = pytest.mark.multinode
 

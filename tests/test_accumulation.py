@@ -6,10 +6,16 @@ import warnings
 
 import pytest
 import torch
+from helpers import (
+    ADAMW,
+    assert_same_params,
+    assert_same_state,
+    batches,
+    loss_of,
+    twins,
+)
 
 from dist_optim import InBackwardOptimizer
-from helpers import ADAMW, assert_same_params, assert_same_state, batches, loss_of, twins
-
 
 
 def _standard_accumulating(model, data, k, weights, **opt_kwargs):

@@ -8,6 +8,7 @@ import io
 
 import pytest
 import torch
+from helpers import ADAMW, assert_same_params, batches, loss_of, make_model, twins
 from torch import nn
 from torch.optim.swa_utils import (
     SWALR,
@@ -18,10 +19,9 @@ from torch.optim.swa_utils import (
     update_bn,
 )
 
-from dist_optim import InBackwardOptimizer
 import dist_optim.averaging
+from dist_optim import InBackwardOptimizer
 from dist_optim.averaging import average_in_backward
-from helpers import ADAMW, assert_same_params, batches, loss_of, make_model, twins
 
 ENGINES = [{}, {"bucket_cap_mb": 1e-4}, {"per_parameter": True}]
 ENGINE_IDS = ["one-bucket", "tiny-buckets", "per-parameter"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-
 from helpers import run_benchmark_quick
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")

@@ -10,12 +10,12 @@ import copy
 
 import pytest
 import torch
+from helpers import ADAMW, assert_same_params, assert_same_state
 from torch import nn
 
 from benchmarks.bench_core import peak_vs_bound
 from benchmarks.harness import few_large, many_small
 from dist_optim import InBackwardOptimizer
-from helpers import ADAMW, assert_same_params, assert_same_state
 
 BOUND_SLACK = 1.05  # backward's own temporaries (the gradients of activations) on top of the bound
 

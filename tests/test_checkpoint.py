@@ -14,12 +14,14 @@ import shutil
 
 import pytest
 import torch
+from helpers import (
+    ADAMW_HPARAMS as ADAMW,  # the kernel (fused=True) is named at each use
+)
+from helpers import assert_same_params, batches, loss_of, make_model
 from torch import nn
 
 import dist_optim
 from dist_optim.checkpoint import CheckpointError, CheckpointManager, Remap, load, save
-from helpers import assert_same_params, batches, loss_of, make_model
-from helpers import ADAMW_HPARAMS as ADAMW  # the kernel (fused=True) is named at each use
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="DCP needs torch.distributed")
 
@@ -180,7 +182,9 @@ def test_async_save_holds_the_state_of_the_moment_it_was_called(tmp_path):
 
 # -- names -------------------------------------------------------------------------------------------------------
 def test_wrapper_prefixes_do_not_change_names(tmp_path):
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
 
     model, opt, sched = build("in_backward")
     train("in_backward", model, opt, sched, DATA[:2])

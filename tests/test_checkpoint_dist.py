@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from dist_runner import RankDied, run_fresh
+from helpers import ADAMW, WIDTH, make_model
+from helpers import RESHARD_TOLERANCE as TOLERANCE
 from torch import nn
 
 import dist_optim
 from dist_optim.checkpoint import CheckpointManager, load, save
-from dist_runner import RankDied, run_fresh
-from helpers import ADAMW, WIDTH, make_model
-from helpers import RESHARD_TOLERANCE as TOLERANCE
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
 

@@ -12,9 +12,9 @@ import warnings
 
 import pytest
 import torch
+from helpers import assert_same_params, batches, loss_of, make_model, train_standard
 
 from dist_optim import InBackwardOptimizer
-from helpers import assert_same_params, batches, loss_of, make_model, train_standard
 
 pytest.importorskip("torch._dynamo")
 

@@ -14,12 +14,12 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import ADAMW, STEPS, WIDTH, WORLD_SIZES, batches, loss_of, make_model
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dist_optim
-from helpers import ADAMW, STEPS, WIDTH, WORLD_SIZES, batches, loss_of, make_model
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
 

@@ -8,7 +8,6 @@ import signal
 
 import pytest
 import torch.distributed as dist
-
 from dist_runner import RankDied, ScenarioTimeout
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")

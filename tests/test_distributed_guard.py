@@ -12,12 +12,18 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+from dist_runner import run_fresh
+from helpers import (
+    assert_same_params,
+    batches,
+    make_model,
+    train_in_backward,
+    train_standard,
+)
+from test_reordered_draws import NoisySGD
 
 import dist_optim
 from dist_optim import _torch_internals as internals
-from dist_runner import run_fresh
-from helpers import assert_same_params, batches, make_model, train_in_backward, train_standard
-from test_reordered_draws import NoisySGD
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import os
 import pathlib
 import re
-import os
 import subprocess
 import sys
 

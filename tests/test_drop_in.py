@@ -11,10 +11,18 @@ import copy
 
 import pytest
 import torch
+from helpers import (
+    assert_same_params,
+    batches,
+    loss_of,
+    make_model,
+    train_in_backward,
+    train_standard,
+    twins,
+)
 from torch import nn
 
 from dist_optim import InBackwardOptimizer
-from helpers import assert_same_params, batches, loss_of, make_model, train_in_backward, train_standard, twins
 
 # foreach on both sides: the same kernel, so the comparison is bitwise
 NONTENSOR_STEP = {

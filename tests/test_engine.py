@@ -9,10 +9,18 @@ import weakref
 
 import pytest
 import torch
+from helpers import (
+    assert_same_params,
+    assert_same_state,
+    batches,
+    loss_of,
+    make_model,
+    train_standard,
+    twins,
+)
 from torch import nn
 
 from dist_optim import InBackwardOptimizer
-from helpers import assert_same_params, assert_same_state, batches, loss_of, make_model, train_standard, twins
 
 
 def test_buckets_follow_gradient_arrival_and_cap():

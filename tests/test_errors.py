@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_same_params, batches, loss_of, make_model, train_standard
 from torch import nn
 
 from dist_optim import InBackwardOptimizer, apply_optimizer_in_backward
-from helpers import assert_same_params, batches, loss_of, make_model, train_standard
 
 
 def test_optimizer_needing_a_closure_is_refused():

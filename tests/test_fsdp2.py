@@ -17,10 +17,19 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import (
+    ADAGRAD,
+    ADAMW,
+    SGD_MOMENTUM,
+    STEPS,
+    WIDTH,
+    batches,
+    loss_of,
+    make_model,
+)
 from torch import nn
 
 import dist_optim
-from helpers import ADAGRAD, ADAMW, SGD_MOMENTUM, STEPS, WIDTH, batches, loss_of, make_model
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
 

@@ -7,10 +7,18 @@ import warnings
 
 import pytest
 import torch
+from helpers import (
+    ADAMW,
+    assert_same_params,
+    assert_same_state,
+    batches,
+    loss_of,
+    make_model,
+    twins,
+)
 from torch import nn
 
 from dist_optim import InBackwardOptimizer
-from helpers import ADAMW, assert_same_params, assert_same_state, batches, loss_of, make_model, twins
 
 SMALL_BUCKETS = dict(bucket_cap_mb=1e-4)  # several buckets, so the per-bucket logic is exercised
 

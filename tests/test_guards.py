@@ -9,10 +9,10 @@ import warnings
 
 import pytest
 import torch
+from helpers import assert_same_params, batches, loss_of, make_model, train_standard
 from torch import nn
 
 from dist_optim import InBackwardOptimizer
-from helpers import assert_same_params, batches, loss_of, make_model, train_standard
 
 LAYER_BYTES = (8 * 8 + 8) * 4  # one hidden Linear's gradients, float32
 
@@ -313,7 +313,7 @@ def test_a_second_loss_over_a_graph_kept_by_a_stepping_backward_is_refused_by_na
                                            r"backward \(\(loss1 \+ loss2\)\.backward\(\)"):
         l2.backward()
     assert all(torch.equal(a, p) for a, p in zip(after_first, model.parameters()))  # nothing stepped a second time
-    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters()) and not opt.step_incomplete
 
 
 def test_the_sum_of_the_losses_is_the_standard_loops_step_and_retain_graph_alone_is_silent():
@@ -330,4 +330,5 @@ def test_the_sum_of_the_losses_is_the_standard_loops_step_and_retain_graph_alone
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             sum(model(x)).backward(retain_graph=True)  # a graph kept and never used again: no error, no warning
+        assert opt.last_step.params_stepped == 6
     assert_same_params(model, ref)

@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 import torch
+from test_launch import TINY, _losses, _train
 
 from launch import train
 from launch.gpt import GPT
@@ -19,7 +20,6 @@ from launch.pipeline import GPTStage, check_pipeline, stage_blocks
 from launch.run_dir import _decide_stages
 from launch.runtime import LaunchError, Runtime
 from launch.train_config import parse_config
-from test_launch import TINY, _losses, _train
 
 PP = ["--parallel", "pp", "--tie-weights", "false"]
 

@@ -55,7 +55,9 @@ def _run_micro_batches(argv: list[str], world: int) -> list[torch.Tensor]:
     corpus = Corpus(0.01, cfg.block_size, cfg.seed)
     stages = check_pipeline(cfg, rt, parallel)
     if stages:
-        from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+        from torch.distributed.pipelining.microbatch import (
+            split_args_kwargs_into_chunks,
+        )
 
         _, replica = stage_of(rt, stages)
         ((x, _),) = corpus.micro_batches(0, cfg.batch_size, replica, world // stages, 1)

@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+from test_launch import TINY, _losses, _train
 
 from launch import train
 from launch.gpt import GPT
@@ -18,7 +19,6 @@ from launch.runtime import LaunchError, Runtime
 from launch.tensor_parallel import check_tp
 from launch.train_config import parse_config
 from launch.train_loop import Job
-from test_launch import TINY, _losses, _train
 
 TP = ["--parallel", "tp"]
 FSDP2_TP = ["--parallel", "fsdp2+tp", "--tp-size", "2"]

@@ -13,11 +13,20 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import (
+    ADAMW,
+    WIDTH,
+    assert_same_params,
+    assert_same_state,
+    batches,
+    loss_of,
+    make_model,
+    twins,
+)
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from dist_optim import InBackwardOptimizer
 from dist_optim.averaging import average_in_backward
-from helpers import ADAMW, WIDTH, assert_same_params, assert_same_state, batches, loss_of, make_model, twins
 
 
 def _train(model, data):

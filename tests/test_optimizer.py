@@ -7,19 +7,6 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
-from torch.optim.lr_scheduler import (
-    ChainedScheduler,
-    CosineAnnealingLR,
-    ExponentialLR,
-    LambdaLR,
-    LinearLR,
-    ReduceLROnPlateau,
-    SequentialLR,
-)
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-from dist_optim import InBackwardOptimizer
 from helpers import (
     assert_same_params,
     assert_same_state,
@@ -30,6 +17,22 @@ from helpers import (
     train_standard,
     twins,
 )
+from torch import nn
+from torch.optim.lr_scheduler import (
+    ChainedScheduler,
+    CosineAnnealingLR,
+    ExponentialLR,
+    LambdaLR,
+    LinearLR,
+    ReduceLROnPlateau,
+    SequentialLR,
+)
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from dist_optim import InBackwardOptimizer
 
 ADAMW = dict(lr=1e-2, weight_decay=0.1, fused=True)
 

@@ -16,12 +16,12 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from dist_runner import run_fresh
+from helpers import ADAMW, SGD_MOMENTUM, STEPS
 from torch import nn
 
 import dist_optim
 import dist_optim.checkpoint
-from dist_runner import run_fresh
-from helpers import ADAMW, SGD_MOMENTUM, STEPS
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
 
@@ -29,9 +29,9 @@ if dist.is_available():
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
+        ScheduleDualPipeV,
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
-        ScheduleDualPipeV,
         ScheduleInterleavedZeroBubble,
         ScheduleLoopedBFS,
         ScheduleZBVZeroBubble,

@@ -6,9 +6,9 @@ refused."""
 from __future__ import annotations
 
 import json
-import re
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from test_plan_layouts import AGREEMENT, FSDP2_BYTES, TINY_LLAMA, needs_ranks
 
 from benchmarks import bench_plan_layouts
 from benchmarks.bench_plan import _builders
@@ -16,7 +17,6 @@ from dist_optim import plan
 from dist_optim._planner._cli import main
 from launch.memory_peak import allocator_peak
 from launch.tensor_parallel import tensor_parallel
-from test_plan_layouts import AGREEMENT, FSDP2_BYTES, TINY_LLAMA, needs_ranks
 
 TINY = (2, 2, 64, 16, 2)  # n_layer, n_head, n_embd, block_size, batch: the fast, rank-free checks
 # warm steps measured per rank on 4 gloo ranks: the mode of 5 is the planned step (the benchmark measures 15; a late
@@ -169,7 +169,11 @@ def test_tp_settings_that_cannot_be_planned_are_refused():
             plan(model_fn, batch_fn, loss, lr=1e-3, **layout)
 
     def mlp_only(model, mesh):  # the MLPs sharded, the rest left plain
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
 
         for block in model.blocks:
             parallelize_module(block.mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})

@@ -8,10 +8,6 @@ import weakref
 
 import pytest
 import torch
-from torch import nn
-from torch.distributed.optim import _apply_optimizer_in_backward, _get_in_backward_optimizers
-
-from dist_optim import InBackwardOptimizer, apply_optimizer_in_backward, get_in_backward_optimizers
 from helpers import (
     assert_same_params,
     assert_same_state,
@@ -21,6 +17,17 @@ from helpers import (
     train_in_backward,
     train_standard,
     twins,
+)
+from torch import nn
+from torch.distributed.optim import (
+    _apply_optimizer_in_backward,
+    _get_in_backward_optimizers,
+)
+
+from dist_optim import (
+    InBackwardOptimizer,
+    apply_optimizer_in_backward,
+    get_in_backward_optimizers,
 )
 
 
@@ -192,7 +199,9 @@ def test_stepping_the_optimizers_by_hand_updates_the_model_like_a_standard_optim
 
 
 def test_dropping_the_model_frees_it_after_its_hooks_are_removed():
-    from torch.distributed.optim.apply_optimizer_in_backward import param_to_optim_hook_handle_map
+    from torch.distributed.optim.apply_optimizer_in_backward import (
+        param_to_optim_hook_handle_map,
+    )
 
     model = make_model()
     apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1, "momentum": 0.9})

@@ -17,12 +17,19 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
+from dist_runner import run_fresh
+from helpers import (
+    ADAMW_HPARAMS,
+    WIDTH,
+    batches,
+    make_model,
+    train_in_backward,
+    train_standard,
+)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dist_optim import apply_optimizer_in_backward, get_in_backward_optimizers
-from dist_runner import run_fresh
-from helpers import ADAMW_HPARAMS, WIDTH, batches, make_model, train_in_backward, train_standard
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
 

@@ -8,9 +8,6 @@ import io
 
 import pytest
 import torch
-from torch import nn, optim
-
-from dist_optim import InBackwardOptimizer
 from helpers import (
     ADAMW,
     assert_same_params,
@@ -22,7 +19,9 @@ from helpers import (
     train_standard,
     twins,
 )
+from torch import nn, optim
 
+from dist_optim import InBackwardOptimizer
 
 
 def roundtrip(obj):

@@ -12,21 +12,20 @@ from __future__ import annotations
 
 import copy
 import importlib
-import io
 import inspect
+import io
 import random
 import re
 import warnings
 
 import numpy
-
 import pytest
 import torch
+from dist_runner import RankDied
 from torch import nn
 
 import dist_optim
 from dist_optim.engine._classes import is_torch_step
-from dist_runner import RankDied
 
 STEPS = 2  # per phase: train, then resume across (a counter written at step 1 is read at step 2)
 MODES = {
@@ -252,7 +251,7 @@ def _check_class(key: str, cls, mode: str) -> str:
         assert isinstance(e, NotImplementedError) or "closure" in str(e), e
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "refused after stepping"
         return f"refused: {e}"
-    except Exception as e:  # noqa: BLE001 - the class's own construction error, as in its own loop
+    except Exception:  # noqa: BLE001 - the class's own construction error, as in its own loop
         if own_loop_fails:
             pytest.skip(own_loop_fails)
         raise

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 
-
 class _Internals:
     """dist_optim._torch_internals, imported when first used: a torch that moved one of its module-level names fails
     its import, and each test first resolves its own entry's torch name, so the moved one is the one named."""
@@ -426,7 +425,11 @@ def _on_a_rank(ctx, entry: str) -> None:
         model(torch.ones(1, 2)).sum().backward()
         assert getattr(fp, internals.UNSHARDED_PARAM, None) is not None, "no unsharded parameter after a step"
     else:  # the pipelining entries
-        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleInterleaved1F1B
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
 
         stage = PipelineStage(nn.Linear(2, 2), 0, 1, torch.device("cpu"))
         schedule = ScheduleGPipe(stage, 2)

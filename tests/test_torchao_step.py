@@ -15,7 +15,11 @@ import torch
 from torch import nn
 
 import dist_optim
-from dist_optim.engine._direct_steps import TorchaoAdamStep, torchao_adam_function, torchao_version
+from dist_optim.engine._direct_steps import (
+    TorchaoAdamStep,
+    torchao_adam_function,
+    torchao_version,
+)
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

@@ -15,16 +15,22 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import ADAMW, RESHARD_TOLERANCE, SGD_MOMENTUM, STEPS, WIDTH
 from torch import nn
 
 import dist_optim
-from helpers import ADAMW, RESHARD_TOLERANCE, SGD_MOMENTUM, STEPS, WIDTH
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
 
 if dist.is_available():
     from dist_runner import run_fresh
-    from test_fsdp2 import _assert_same, _clip_exact, _clip_per_parameter, _clip_value, _track_only
+    from test_fsdp2 import (
+        _assert_same,
+        _clip_exact,
+        _clip_per_parameter,
+        _clip_value,
+        _track_only,
+    )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard

@@ -22,9 +22,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import ADAMW
 
 import dist_optim
-from helpers import ADAMW
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
 

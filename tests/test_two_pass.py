@@ -12,10 +12,20 @@ import warnings
 
 import pytest
 import torch
+from helpers import (
+    ADAMW,
+    SGD_MOMENTUM,
+    WIDTH,
+    assert_same_params,
+    assert_same_state,
+    batches,
+    loss_of,
+    make_model,
+    twins,
+)
 from torch import nn
 
 from dist_optim import InBackwardOptimizer
-from helpers import ADAMW, SGD_MOMENTUM, WIDTH, assert_same_params, assert_same_state, batches, loss_of, make_model, twins
 
 OPTIMIZERS = {"AdamW-fused": (torch.optim.AdamW, ADAMW), "SGD-momentum": (torch.optim.SGD, SGD_MOMENTUM)}
 BUCKETS = {"buckets": dict(bucket_cap_mb=1e-4), "per_parameter": dict(per_parameter=True)}

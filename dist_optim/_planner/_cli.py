@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from dist_optim._planner._plan import MemoryPlan, plan
 from dist_optim._planner._fsdp2 import BACKENDS
 from dist_optim._planner._layouts import NOT_PLANNED, PARALLEL
 from dist_optim._planner._pipeline import schedule_class
+from dist_optim._planner._plan import MemoryPlan, plan
 from dist_optim.engine._options import CLIP_MODES, DEFAULT_BUCKET_CAP_MB
 
 __all__: list[str] = []

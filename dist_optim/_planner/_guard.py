@@ -18,8 +18,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
 from torch.overrides import TorchFunctionMode
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from dist_optim._torch_internals import TorchDispatchMode
 from dist_optim.engine._inputs import _DTENSOR

@@ -26,8 +26,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_optim._torch_internals import (DDP_REBUILT_BUCKETS, SKIP_GRAD_WRITEBACK, ddp_bucket_assignment,
-                                         ddp_first_bucket_bytes, ddp_rebuilt_buckets)
+from dist_optim._torch_internals import (
+    DDP_REBUILT_BUCKETS,
+    SKIP_GRAD_WRITEBACK,
+    ddp_bucket_assignment,
+    ddp_first_bucket_bytes,
+    ddp_rebuilt_buckets,
+)
 
 __all__: list[str] = []
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from dist_optim.engine._inputs import _DTENSOR, is_dtensor
 from dist_optim._torch_internals import TorchDispatchMode, tree_iter
+from dist_optim.engine._inputs import _DTENSOR, is_dtensor
 
 __all__: list[str] = []
 

@@ -32,10 +32,25 @@ from torch import nn
 
 from dist_optim._planner._guard import FakeCopies, named_operators
 from dist_optim._planner._memory_trace import MemoryTrace
-from dist_optim._planner._step import LOOPS, NOT_SEEN, Job, LoopPlan, MemoryPlan, in_backward_kernel, loop_plan
+from dist_optim._planner._step import (
+    LOOPS,
+    NOT_SEEN,
+    Job,
+    LoopPlan,
+    MemoryPlan,
+    in_backward_kernel,
+    loop_plan,
+)
 from dist_optim._planner._workspaces import Workspaces
-from dist_optim._torch_internals import (STAGE_WARMUP_RESULT, STAGE_WARMUP_VOTE, FakeTensorMode,
-                                         fake_store, stage_kept_outputs, stage_recv_buffers, tree_leaves)
+from dist_optim._torch_internals import (
+    STAGE_WARMUP_RESULT,
+    STAGE_WARMUP_VOTE,
+    FakeTensorMode,
+    fake_store,
+    stage_kept_outputs,
+    stage_recv_buffers,
+    tree_leaves,
+)
 from dist_optim.pipeline import pipeline_optimizers
 
 __all__: list[str] = []

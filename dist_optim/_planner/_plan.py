@@ -26,9 +26,20 @@ from dist_optim._planner._lowbit import not_seen as lowbit_not_seen
 from dist_optim._planner._lowbit import stand_in, steps_on_fake
 from dist_optim._planner._memory_trace import MemoryTrace
 from dist_optim._planner._pipeline import plan_pipeline
-from dist_optim._planner._step import LOOPS, NOT_SEEN, Job, LoopPlan, MemoryPlan, loop_plan
+from dist_optim._planner._step import (
+    LOOPS,
+    NOT_SEEN,
+    Job,
+    LoopPlan,
+    MemoryPlan,
+    loop_plan,
+)
 from dist_optim._planner._workspaces import Workspaces
-from dist_optim._torch_internals import FakeTensorMode, fsdp_resized_tensors, tree_leaves
+from dist_optim._torch_internals import (
+    FakeTensorMode,
+    fsdp_resized_tensors,
+    tree_leaves,
+)
 from dist_optim.engine._options import InBackwardOptions, engine_keywords
 
 __all__: list[str] = []

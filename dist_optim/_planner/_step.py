@@ -8,9 +8,9 @@ it imports neither.
 from __future__ import annotations
 
 import contextlib
-from contextlib import nullcontext
 import inspect
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 

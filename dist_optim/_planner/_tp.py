@@ -23,7 +23,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_optim._torch_internals import TorchDispatchMode, fake_store, tree_iter, unset_fake_temporarily
+from dist_optim._torch_internals import (
+    TorchDispatchMode,
+    fake_store,
+    tree_iter,
+    unset_fake_temporarily,
+)
 
 __all__: list[str] = []
 

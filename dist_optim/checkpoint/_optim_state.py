@@ -18,8 +18,8 @@ from torch import nn
 
 from ..engine._inputs import is_dtensor
 from ..optimizer import InBackwardOptimizer
-from ._names import canonical_names
 from . import _ranks, _reshard, _subclass_state
+from ._names import canonical_names
 from ._request import LoadRequest, SaveRequest
 from ._storage import CheckpointError
 from ._transfer import Snapshot, Source

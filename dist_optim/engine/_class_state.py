@@ -13,7 +13,12 @@ from typing import Any
 import torch
 
 from dist_optim import _torch_internals as internals
-from dist_optim.engine._classes import MODE_SWITCHES, hyperparameters, no_rng, switch_mode
+from dist_optim.engine._classes import (
+    MODE_SWITCHES,
+    hyperparameters,
+    no_rng,
+    switch_mode,
+)
 from dist_optim.engine._stepper import Recipe
 
 __all__: list[str] = []

@@ -17,7 +17,15 @@ from torch.utils.hooks import RemovableHandle
 from dist_optim._torch_internals import POST_ACCUMULATE_GRAD_HOOKS, compiled_autograd_on
 from dist_optim._torch_internals import graph_task_id as _task_id
 from dist_optim._torch_internals import queue_callback as _queue_callback
-from dist_optim.engine._buckets import NO_TASK, OUTSIDE_BACKWARD, Backward, Bucket, Owner, Reductions, Run
+from dist_optim.engine._buckets import (
+    NO_TASK,
+    OUTSIDE_BACKWARD,
+    Backward,
+    Bucket,
+    Owner,
+    Reductions,
+    Run,
+)
 from dist_optim.engine._guards import (
     STEPPED_GRAPH_MESSAGE,
     TWO_PASS_MESSAGE,

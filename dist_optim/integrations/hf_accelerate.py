@@ -11,7 +11,13 @@ import torch
 from accelerate import Accelerator
 
 from dist_optim._frameworks import register_adapter
-from dist_optim.integrations._common import accumulating, check_norm_clip, check_value_clip, owner_of, unwrap
+from dist_optim.integrations._common import (
+    accumulating,
+    check_norm_clip,
+    check_value_clip,
+    owner_of,
+    unwrap,
+)
 from dist_optim.optimizer import InBackwardOptimizer
 
 __all__ = ["InBackwardAccelerator"]

@@ -20,7 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_optim._torch_internals import ddp_rebuilt_buckets, has_local_used_map, local_used_map, skip_grad_writeback
+from dist_optim._torch_internals import (
+    ddp_rebuilt_buckets,
+    has_local_used_map,
+    local_used_map,
+    skip_grad_writeback,
+)
 from dist_optim.engine._engine import Engine
 
 __all__: list[str] = []

@@ -115,7 +115,9 @@ def _register_for_ddp(p: torch.Tensor, handle: RemovableHandle) -> None:
     """List the hook where torch's DDP looks for the hooks it replaces with its own step after the all-reduce
     (``param_to_optim_hook_handle_map``, read at DDP's first forward), on builds where that step works."""
     if torch.distributed.is_available() and _ddp_can_take_over():
-        from torch.distributed.optim.apply_optimizer_in_backward import param_to_optim_hook_handle_map
+        from torch.distributed.optim.apply_optimizer_in_backward import (
+            param_to_optim_hook_handle_map,
+        )
 
         param_to_optim_hook_handle_map.setdefault(p, []).append(handle)
 

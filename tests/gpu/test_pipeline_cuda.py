@@ -12,10 +12,9 @@ tests/test_pipeline.py covers the same on gloo.
 from __future__ import annotations
 
 import pytest
+import test_pipeline
 import torch
 import torch.distributed as dist
-
-import test_pipeline
 
 NCCL = torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available()
 GPUS = torch.cuda.device_count() if NCCL else 0

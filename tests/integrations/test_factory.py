@@ -10,9 +10,17 @@ import sys
 
 import pytest
 import torch
+from helpers import (
+    assert_same_params,
+    assert_same_state,
+    batches,
+    loss_of,
+    make_model,
+    train_in_backward,
+    twins,
+)
 
 import dist_optim
-from helpers import assert_same_params, assert_same_state, batches, loss_of, make_model, train_in_backward, twins
 
 
 def test_class_equals_the_standard_loop_and_fixes_engine_options():

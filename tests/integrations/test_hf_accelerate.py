@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-
 import warnings
 
 import pytest
@@ -17,10 +16,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("accelerate", reason="the accelerate adapter is tested with accelerate installed")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from helpers import assert_same_params, assert_same_state, make_model  # noqa: E402
 
 from dist_optim import InBackwardOptimizer  # noqa: E402
 from dist_optim.integrations.hf_accelerate import InBackwardAccelerator  # noqa: E402
-from helpers import assert_same_params, assert_same_state, make_model  # noqa: E402
 
 ADAMW = dict(lr=1e-2, weight_decay=0.1, fused=True)
 

@@ -14,11 +14,11 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers", reason="the HF Trainer adapter is tested with transformers installed")
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from helpers import assert_same_state  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 import dist_optim  # noqa: E402
 from dist_optim.integrations.hf_trainer import InBackwardTrainer  # noqa: E402
-from helpers import assert_same_state  # noqa: E402
 
 SAMPLES = 14  # batch 2: 7 micro-batches, so accumulation 4 ends with a window of 3
 

@@ -13,12 +13,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 pytest.importorskip("lightning", reason="the Lightning adapter is tested with lightning installed")
 import lightning.pytorch as pl  # noqa: E402
+from helpers import assert_same_params, assert_same_state, make_model  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from dist_optim import InBackwardOptimizer  # noqa: E402
 from dist_optim.integrations.lightning import InBackwardCallback, TwoPassBackward  # noqa: E402
-from helpers import assert_same_params, assert_same_state, make_model  # noqa: E402
 
 ADAMW = dict(lr=5e-2, weight_decay=0.1, fused=True)
 

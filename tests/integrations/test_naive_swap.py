@@ -14,17 +14,17 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 for framework in ("transformers", "accelerate", "lightning", "torchtune"):
     pytest.importorskip(framework, reason="the naive swap is tested inside each framework, installed for the tests")
+import test_hf_accelerate as acc  # noqa: E402
+import test_hf_trainer as hf  # noqa: E402
+import test_lightning as light  # noqa: E402
+import test_torchtune as tt  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
+from helpers import assert_same_params, assert_same_state, make_model  # noqa: E402
 from torchtune import training  # noqa: E402
 from torchtune.recipe_interfaces import FTRecipeInterface  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 import dist_optim  # noqa: E402
-import test_hf_accelerate as acc  # noqa: E402
-import test_hf_trainer as hf  # noqa: E402
-import test_lightning as light  # noqa: E402
-import test_torchtune as tt  # noqa: E402
-from helpers import assert_same_params, assert_same_state, make_model  # noqa: E402
 
 FIX = r".*\. Or use dist_optim\.integrations\."
 

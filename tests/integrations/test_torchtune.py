@@ -11,9 +11,11 @@ import pytest
 import torch
 
 pytest.importorskip("torchtune", reason="the torchtune adapter is tested with torchtune installed")
-from torchtune import config as tt_config, training  # noqa: E402
-from torchtune.models.llama2 import llama2  # noqa: E402
+from helpers import assert_same_params, assert_same_state  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
+from torchtune import config as tt_config  # noqa: E402
+from torchtune import training
+from torchtune.models.llama2 import llama2  # noqa: E402
 
 from dist_optim import InBackwardOptimizer  # noqa: E402
 from dist_optim.integrations.torchtune import (  # noqa: E402
@@ -21,7 +23,6 @@ from dist_optim.integrations.torchtune import (  # noqa: E402
     from_torchtune_state_dict,
     to_torchtune_state_dict,
 )
-from helpers import assert_same_params, assert_same_state  # noqa: E402
 
 ADAMW = dict(lr=2e-2, weight_decay=0.01, fused=True)
 IGNORE = -100
