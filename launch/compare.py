@@ -153,21 +153,32 @@ and the profiled step not timed).
 {rows}
 
 {bytes_markdown(r)}
-Plot: `compare.png` (loss curves; allocated bytes during the profiled step, rank 0).
+Plot: `compare.png` (both loss curves, drawn so that coinciding ones stay visible, and their difference per step;
+each loop's allocated bytes above the step's start during the profiled step, rank 0, on one scale from 0, with
+the forward, backward and step phases shaded).
 """
+
+
+STYLES = {"standard": {"marker": "o", "markerfacecolor": "none", "linewidth": 2.5, "alpha": 0.6},
+          "in_backward": {"marker": "x", "linestyle": "--", "linewidth": 1.2}}  # both visible where they coincide
 
 
 def _panels(results, memory, report) -> list[dict[str, Any]]:
     steps = [r.step for r in results["standard"]]
     labels = {"standard": "standard loop", "in_backward": "in backward"}
+    diff = [b.loss - a.loss for a, b in zip(results["standard"], results["in_backward"])]
     return [
         {"title": f"Loss per step (max abs diff {report['max_abs_loss_diff']:.3g})", "xlabel": "step",
-         "ylabel": "loss", "series": [(labels[m], steps, [r.loss for r in results[m]]) for m in MODES]},
-        {"title": f"Allocated memory during step {report['memory_profiled_step']}, rank 0", "xlabel": "ms",
-         "ylabel": "MiB", "series": [
-             (f"{labels[m]} (peak {memory[m]['peak_bytes'] / MiB:.2f} MiB)",
-              [t * 1e3 for t, _ in memory[m]["timeline"]], [b / MiB for _, b in memory[m]["timeline"]])
-             for m in MODES]},
+         "ylabel": "loss", "series": [(labels[m], steps, [r.loss for r in results[m]], STYLES[m]) for m in MODES]},
+        {"title": "Loss difference, in backward - standard", "xlabel": "step", "ylabel": "loss difference",
+         "series": [("in backward - standard" + (" (bitwise equal: 0 everywhere)" if not any(diff) else ""), steps,
+                     diff, {"marker": "."})]},
+        *({"title": f"Memory during step {report['memory_profiled_step']}, rank 0: {labels[m]}",
+           "xlabel": "time in the step, ms", "ylabel": "allocated above the step's start, MiB",
+           "ylim": max(memory[k]["peak_bytes"] for k in MODES) / MiB * 1.1,
+           "spans": [(name, a * 1e3, b * 1e3) for name, a, b in memory[m].get("phases", [])],
+           "series": [(f"peak {memory[m]['peak_bytes'] / MiB:.2f} MiB", [t * 1e3 for t, _ in memory[m]["timeline"]],
+                       [b / MiB for _, b in memory[m]["timeline"]], {})]} for m in MODES),
     ]
 
 
@@ -178,11 +189,18 @@ def _plot(path: pathlib.Path, panels: list[dict[str, Any]]) -> None:
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
-        for label, xs, ys in panel["series"]:
-            ax.plot(xs, ys, label=label)
+    rows = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(rows, 2, figsize=(13, 4 * rows), squeeze=False)
+    colors = {"forward": "tab:blue", "backward": "tab:orange", "step": "tab:green"}
+    for ax, panel in zip(axes.flat, panels):
+        for name, a, b in panel.get("spans", []):  # the phases, shaded, each named once in the legend
+            ax.axvspan(a, b, color=colors.get(name, "grey"), alpha=0.15,
+                       label=name if name not in ax.get_legend_handles_labels()[1] else None)
+        for label, xs, ys, style in panel["series"]:
+            ax.plot(xs, ys, label=label, markersize=4, **style)
         ax.set(title=panel["title"], xlabel=panel["xlabel"], ylabel=panel["ylabel"])
+        if "ylim" in panel:
+            ax.set_ylim(0, panel["ylim"])  # from 0, the same scale for both loops
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()

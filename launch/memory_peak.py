@@ -22,6 +22,9 @@ from torch.profiler import ProfilerActivity, profile
 __all__ = ["allocator_peak", "quiet_kineto"]
 
 
+PHASE = "phase: "  # the prefix of the record_function ranges a timeline reports as phases
+
+
 def allocator_peak(fn: Callable[[], Any], device: torch.device | str = "cpu", *,
                    timeline: bool = False) -> dict[str, Any]:
     """The allocator's peak above its starting point during one call of ``fn``, and its net change (bytes).
@@ -61,6 +64,10 @@ def allocator_peak(fn: Callable[[], Any], device: torch.device | str = "cpu", *,
         out.update(peak_bytes=peak, net_bytes=running, events=len(events))
         if timeline:
             out["timeline"] = points
+            start = events[0][0] if events else 0
+            out["phases"] = sorted(  # the ranges fn marked with record_function(PHASE + name), in seconds
+                (e.name()[len(PHASE):], (e.start_ns() - start) / 1e9, (e.start_ns() + e.duration_ns() - start) / 1e9)
+                for e in prof.profiler.kineto_results.events() if e.name().startswith(PHASE))
     if cuda:
         out.update(source="torch.cuda", peak_bytes=torch.cuda.max_memory_allocated(device) - base,
                    net_bytes=torch.cuda.memory_allocated(device) - base)

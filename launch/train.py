@@ -89,7 +89,8 @@ Options that change the training loop:
 Output: a progress line per step on rank 0, RUN_DIR/metrics.jsonl (one JSON object per step: step, loss, lr,
 grad_norm, tokens/s, and per rank in rank order grad_bytes_peak, the gradient bytes alive at once in the step, and
 memory_peak_bytes, the CUDA allocator's peak in the step or on CPU the process's resident high-water mark so far),
-TensorBoard events in RUN_DIR/tensorboard when TensorBoard is installed, RUN_DIR/config.json (the options in effect).
+with --tensorboard TensorBoard events in RUN_DIR/tensorboard, with --wandb PROJECT a Weights & Biases run (each
+needs its extra: a missing one is a one-line error naming it), RUN_DIR/config.json (the options in effect).
 Ctrl-C stops as SIGTERM does: after the step, with a checkpoint (a second Ctrl-C aborts at once). Exit codes: 0 done
 (or stopped by SIGTERM or Ctrl-C), 2 a refused flag or setting (a one-line error), 1 a loss that turned NaN or
 infinite.
@@ -112,7 +113,7 @@ from .memory_plan import plan_memory
 from .optimizers import optimizer_class
 from .pipeline import PIPELINED, check_pipeline, stage_group, stage_of
 from .run_dir import plan_run, write_config
-from .run_log import RunLog
+from .run_log import RunLog, check_reporters
 from .runtime import LaunchError, Runtime, TermSignal, start, stop
 from .tensor_parallel import check_tp
 from .train_config import TrainConfig, parse_config
@@ -169,7 +170,7 @@ def train(cfg: TrainConfig, rt: Runtime, parallel: str, corpus: Corpus) -> None:
         log.info("%s, %d process(es), %s, %s mode, %.2fM parameters, steps %d to %d of %d", cfg.run_dir,
                  rt.world, parallel, cfg.optimizer_mode, job.n_params / 1e6, first, last, cfg.steps)
     run_log = RunLog(cfg.run_dir, rt.is_main, cfg.log_every, resume_step=first - 1 if cfg.resume else None,
-                     last_step=last)
+                     last_step=last, tensorboard=cfg.tensorboard, wandb=cfg.wandb, config=cfg.to_dict())
     done = []
     try:
         with TermSignal(announce=rt.is_main) as term:
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parallel = resolve_parallel(cfg.parallel, rt)
         optimizer_class(cfg.optimizer)  # its package importable
+        check_reporters(cfg.tensorboard, cfg.wandb)
         check_pipeline(cfg, rt, parallel)
         check_tp(cfg, rt, parallel)
         if cfg.compare and (cfg.resume or cfg.checkpoint_every or cfg.overwrite):

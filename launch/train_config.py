@@ -29,7 +29,7 @@ MODEL_SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "tie_weights")
 # options of one process run, not of the training: a resume may change them without notice
 PROCESS_OPTIONS = ("stop_after", "device", "threads", "parallel", "pp_stages", "tp_size", "run_dir", "log_every",
                    "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "compare", "profile_step", "plan",
-                   "nproc")
+                   "nproc", "tensorboard", "wandb")
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -96,8 +96,12 @@ class TrainConfig:
                        ("auto", "cpu", "cuda"))
     threads: int = _opt(0, "intra-op threads per process; 0 = the cores divided by the local processes")
     # run directory, logging, checkpoints
-    run_dir: str = _opt("runs/gpt", "directory for metrics.jsonl, TensorBoard events, checkpoints and reports")
+    run_dir: str = _opt("runs/gpt", "directory for metrics.jsonl, checkpoints and reports")
     log_every: int = _opt(1, "print a progress line every N steps (rank 0); metrics.jsonl gets every step")
+    tensorboard: bool = _opt(False, "also write TensorBoard events in RUN_DIR/tensorboard (needs the tensorboard "
+                                    "extra: pip install -c constraints.txt -e '.[tensorboard]')")
+    wandb: str | None = _opt(None, "also log every step to this Weights & Biases project (needs the wandb extra: "
+                                   "pip install -c constraints.txt -e '.[wandb]'; WANDB_MODE=offline logs locally)")
     checkpoint_every: int = _opt(0, "save a checkpoint every N steps (0: never); also at the last step when > 0")
     keep_checkpoints: int = _opt(3, "checkpoints kept on disk (the oldest are deleted)")
     resume: str | None = _opt(None, "'latest' (the newest checkpoint in RUN_DIR/checkpoints, or a fresh start), "

@@ -17,11 +17,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 import dist_optim
 
 from .corpus import VOCAB_SIZE, Corpus
 from .gpt import from_config, loss_fn
+from .memory_peak import PHASE
 from .optimizers import (
     check_parallel,
     optimizer_class,
@@ -178,16 +180,19 @@ class Job:
             holds = self.parallel == "tp" and self.mode == "in_backward" and not last
             held = self.opt.no_step() if holds else contextlib.nullcontext()
             with sync_context(self.model, self.parallel, last), held:
-                loss = loss_fn(self.model(x), y) / len(micro)
-                if self.mode == "in_backward":
-                    self.opt.backward(loss)  # the last micro-batch's backward steps AdamW (two_pass: two of them)
-                else:
-                    loss.backward()
+                with record_function(PHASE + "forward"):
+                    loss = loss_fn(self.model(x), y) / len(micro)
+                with record_function(PHASE + "backward"):
+                    if self.mode == "in_backward":
+                        self.opt.backward(loss)  # the last micro-batch's backward steps AdamW (two_pass: two of them)
+                    else:
+                        loss.backward()
             total += loss.detach()
         if self.mode == "standard":
             norm = self._clip_standard()
             grad_bytes = _grad_bytes(self.model)
-            self.opt.step()
+            with record_function(PHASE + "step"):
+                self.opt.step()
             self.opt.zero_grad(set_to_none=True)
         else:
             norm = self.opt.grad_norm

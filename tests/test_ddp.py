@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import ADAMW, STEPS, WIDTH, WORLD_SIZES, batches, loss_of, make_model
+from helpers import ADAMW, STEPS, WIDTH, WORLD_SIZES, batches, loss_of, make_model, train_in_backward
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -174,8 +174,10 @@ def _refusals(ctx):
         dist_optim.InBackwardOptimizer(a, cls, accumulation_steps=2, **kwargs)
     with pytest.raises(RuntimeError, match="Pass the DDP-wrapped model itself"):
         dist_optim.InBackwardOptimizer(a.parameters(), cls, **kwargs)
-    with pytest.raises(RuntimeError, match="un-reduced gradient"):  # the seed function, before wrapping
-        dist_optim.apply_optimizer_in_backward(cls, make_model().parameters(), {"lr": 0.1})
+    seeded = make_model()  # the seed function, never wrapped: refused at its first backward, before it steps
+    dist_optim.apply_optimizer_in_backward(cls, seeded.parameters(), {"lr": 0.1})
+    with pytest.raises(RuntimeError, match="un-reduced gradient.*nothing was stepped"):
+        train_in_backward(seeded, batches(1))
     opt = dist_optim.InBackwardOptimizer(a, cls, **kwargs)
     with pytest.raises(RuntimeError, match="accumulate with `with model.no_sync\\(\\):`"):
         with opt.no_step():

@@ -46,8 +46,14 @@ def _worker(ctx) -> None:
         model = make_model()
         with pytest.raises(RuntimeError, match="2 ranks is initialised.*fully_shard.*allow_local_steps=True"):
             dist_optim.InBackwardOptimizer(model.parameters(), torch.optim.AdamW)
-        with pytest.raises(RuntimeError, match="un-reduced gradient"):
-            dist_optim.apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
+        # the seed pair cannot know at the call whether a wrapper (FSDP1) will take the step over: its first
+        # backward is refused, before anything steps
+        seeded = make_model()
+        dist_optim.apply_optimizer_in_backward(torch.optim.SGD, seeded.parameters(), {"lr": 0.1})
+        before = seeded.head.weight.detach().clone()
+        with pytest.raises(RuntimeError, match="un-reduced gradient.*nothing was stepped"):
+            train_in_backward(seeded, batches(1))
+        assert torch.equal(seeded.head.weight, before)
         # Local SGD, asked for: each rank steps on its own data, exactly like a local standard loop.
         ref = copy.deepcopy(model)
         # fused on both sides (the engine's own choice, named here): bitwise needs the same kernel

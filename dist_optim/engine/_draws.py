@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from dist_optim._torch_internals import is_fake
+
 __all__: list[str] = []
 
 
@@ -26,8 +28,11 @@ class DrawWatch:
         self.why = why  # why reordered draws are refused here (DDP's reason), or None: random_draws="exact"
 
     def run(self, step: Callable[[torch.optim.Optimizer], Any], opt: torch.optim.Optimizer) -> None:
-        devices = sorted({p.device.index or 0 for g in opt.param_groups for p in g["params"]
-                          if p.device.type == "cuda"})
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if any(is_fake(p) for p in params[:1]):
+            step(opt)  # the memory planner's fake tensors: no numbers drawn, nothing to compare
+            return
+        devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
         before = _states(devices)
         step(opt)
         if any(not torch.equal(a, b) for a, b in zip(before, _states(devices))):
