@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dist_optim._planner import _fsdp2, _tp
 from dist_optim._torch_internals import (
     DDP_REBUILT_BUCKETS,
     SKIP_GRAD_WRITEBACK,
@@ -73,9 +74,7 @@ class Layout:
         allocates nothing, measured)."""
         if self.parallel not in _FSDP2:
             return None
-        from dist_optim._planner._fsdp2 import collective_buffers
-
-        return collective_buffers(self.backend)
+        return _fsdp2.collective_buffers(self.backend)
 
     def recorded(self) -> dict[str, Any]:
         """The options as JSON-ready values."""
@@ -84,9 +83,7 @@ class Layout:
         if self.parallel == "ddp":
             out.update(ddp_bucket_cap_mb=self.ddp_bucket_cap_mb, gradient_as_bucket_view=self.gradient_as_bucket_view)
         if self.parallel in _MESHED:
-            from dist_optim._planner._tp import mesh_shape
-
-            shape, names = mesh_shape(self.parallel, self.world_size, self.tp_size, self.shard_size)
+            shape, names = _tp.mesh_shape(self.parallel, self.world_size, self.tp_size, self.shard_size)
             out.update(mesh=dict(zip(names, shape)))
             if self.parallelize is not None:
                 f = self.parallelize
@@ -110,47 +107,35 @@ class Layout:
             raise RuntimeError(f"plan(parallel={self.parallel!r}) runs without a real process group; call it in a "
                                "process that has not initialized one")
         if self.parallel in _MESHED:
-            from dist_optim._planner._tp import check
-
-            check(self.parallel, self.world_size, self.tp_size, self.shard_size, self.parallelize, engine)
+            _tp.check(self.parallel, self.world_size, self.tp_size, self.shard_size, self.parallelize, engine)
 
     @contextlib.contextmanager
     def group(self) -> Iterator[Any]:
         """FSDP2, TP, FSDP2 x TP, HSDP: torch's fake process group of ``world_size`` ranks and a mesh over it, for
         the planning's duration (``None`` for the other layouts)."""
         if self.parallel in _MESHED:
-            from dist_optim._planner._tp import fake_mesh, mesh_shape
-
-            with fake_mesh(*mesh_shape(self.parallel, self.world_size, self.tp_size, self.shard_size)) as mesh:
+            with _tp.fake_mesh(*_tp.mesh_shape(self.parallel, self.world_size, self.tp_size, self.shard_size)) as mesh:
                 yield mesh
             return
         if self.parallel != "fsdp2":
             yield None
             return
-        from dist_optim._planner._fsdp2 import fake_group
-
-        with fake_group(self.world_size) as mesh:
+        with _fsdp2.fake_group(self.world_size) as mesh:
             yield mesh
 
     def wrap(self, model: nn.Module, mesh: Any) -> nn.Module:
         if self.parallel == "ddp":
             return PlannedDDP(model, self.world_size, self.ddp_bucket_cap_mb, self.gradient_as_bucket_view)
         if self.parallel == "fsdp2":
-            from dist_optim._planner._fsdp2 import shard
-
-            return shard(model, mesh, self.fsdp_units)
+            return _fsdp2.shard(model, mesh, self.fsdp_units)
         if self.parallel in _MESHED:
-            from dist_optim._planner._tp import wrap
-
-            return wrap(model, mesh, self.parallel, self.parallelize, self.fsdp_units)
+            return _tp.wrap(model, mesh, self.parallel, self.parallelize, self.fsdp_units)
         return model
 
     def inside_fake_mode(self) -> contextlib.AbstractContextManager[Any]:
         """Entered above ``FakeTensorMode`` for the planning: a device mesh's real tensors run outside it."""
         if self.parallel in _MESHED:
-            from dist_optim._planner._tp import RealMeshOps
-
-            return RealMeshOps()
+            return _tp.RealMeshOps()
         return contextlib.nullcontext()
 
     def engine_options(self) -> dict[str, Any]:
@@ -160,13 +145,9 @@ class Layout:
     def not_seen(self) -> tuple[str, ...]:
         """What a rank of this layout holds that the plan cannot see, with its size where it was measured."""
         if self.parallel == "tp":
-            from dist_optim._planner._tp import NOT_SEEN
-
-            return NOT_SEEN
+            return _tp.NOT_SEEN
         if self.parallel in _FSDP2:
-            from dist_optim._planner._fsdp2 import not_seen
-
-            return not_seen(self.backend)
+            return _fsdp2.not_seen(self.backend)
         if self.parallel != "ddp":
             return ()
         return ("DDP's collectives: on 2 gloo ranks (CPU) they allocated no tensor on gloo's threads (measured, "
@@ -177,19 +158,16 @@ class Layout:
             return "one process"
         out = f"per rank, {self.parallel} on {self.world_size} ranks"
         if self.parallel in ("fsdp2+tp", "hsdp"):
-            from dist_optim._planner._tp import mesh_shape
-
-            shape, names = mesh_shape(self.parallel, self.world_size, self.tp_size, self.shard_size)
+            shape, names = _tp.mesh_shape(self.parallel, self.world_size, self.tp_size, self.shard_size)
             out += f" ({' x '.join(f'{n} {k}' for n, k in zip(names, shape))})"
         return out
 
 
 def check_backend(parallel: str, backend: str | None) -> None:
     """``backend`` is one the planner knows, given for a layout with ranks."""
-    from dist_optim._planner._fsdp2 import BACKENDS
-
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} or None (gloo on CPU, NCCL on CUDA), got {backend!r}")
+    if backend is not None and backend not in _fsdp2.BACKENDS:
+        raise ValueError(f"backend must be one of {_fsdp2.BACKENDS} or None (gloo on CPU, NCCL on CUDA), "
+                         f"got {backend!r}")
     if backend is not None and parallel == "none":
         raise ValueError(f"backend={backend!r} applies to a job on ranks; give parallel one of {PARALLEL[1:]}, or "
                          "leave backend None for one process")
