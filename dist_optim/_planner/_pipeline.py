@@ -38,6 +38,7 @@ from dist_optim._planner._step import (
     Job,
     LoopPlan,
     MemoryPlan,
+    MiB,
     in_backward_kernel,
     loop_plan,
 )
@@ -57,7 +58,6 @@ __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
-MiB = 2**20
 PP_SCHEDULES = ("1F1B", "GPipe")  # the schedules planned (validated on 2 gloo ranks); torch's names
 DEFAULT_SCHEDULE = "1F1B"  # launch.train's --pp-schedule default
 DEFAULT_MICROBATCHES = 4  # launch.train's --microbatches default
