@@ -86,6 +86,10 @@ class Job:
             self.dp_rank, self.dp_size = batch_split(cfg, rt, parallel, tp_size)
         self.cfg, self.rt, self.corpus, self.parallel, self.mode = cfg, rt, corpus, parallel, mode
         check_parallel(cfg.optimizer, parallel)
+        if cfg.autocast is not None and parallel in PIPELINED:
+            raise LaunchError(f"--autocast {cfg.autocast} with --parallel {parallel}: the pipeline's schedule runs the "
+                              "stages' forwards itself, outside the trainer's autocast; drop --autocast or use "
+                              "--param-dtype bfloat16")
         torch.manual_seed(cfg.seed)
         model = from_config(cfg.to_dict(), VOCAB_SIZE)
         self.n_params = sum(p.numel() for p in model.parameters())
@@ -180,7 +184,7 @@ class Job:
             holds = self.parallel == "tp" and self.mode == "in_backward" and not last
             held = self.opt.no_step() if holds else contextlib.nullcontext()
             with sync_context(self.model, self.parallel, last), held:
-                with record_function(PHASE + "forward"):
+                with record_function(PHASE + "forward"), self._autocast():
                     loss = loss_fn(self.model(x), y) / len(micro)
                 with record_function(PHASE + "backward"):
                     if self.mode == "in_backward":
@@ -209,6 +213,11 @@ class Job:
             **dict(zip(("grad_bytes_peak", "memory_peak_bytes"),
                        map(list, zip(*self.rt.all_gather((int(grad_bytes), _memory_peak(self.rt.device))))))),
         )
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.cfg.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.rt.device.type, dtype=getattr(torch, self.cfg.autocast))
 
     def _clip_standard(self) -> torch.Tensor | None:
         """The standard loop's counterpart of the in-backward clipping options (docs/clipping.md), same arithmetic.
