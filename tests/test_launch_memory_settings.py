@@ -40,10 +40,18 @@ def test_each_setting_compares_bitwise_on_one_process(tmp_path):
 
 
 def test_settings_compare_bitwise_on_two_fsdp2_ranks(tmp_path):
-    _train(tmp_path, "fsdp2", "--compare", "--steps", "3", "--checkpoint-blocks", "2", "--param-dtype", "bfloat16",
-           "--accumulation-steps", "2", nproc=2)
+    out = _train(tmp_path, "fsdp2", "--compare", "--steps", "3", "--checkpoint-blocks", "2", "--param-dtype",
+                 "bfloat16", "--accumulation-steps", "2", nproc=2)
     report = _report(tmp_path, "fsdp2")
     assert report["losses_bitwise_equal"] and len(report["losses"]["in_backward"]) == 3
+    # accumulation holds every gradient (FSDP2's unsharded ones): said once per rank
+    assert out.stderr.count("holds every gradient of the step") == 2
+
+
+def test_fsdp2_without_accumulation_keeps_the_saving_without_a_warning(tmp_path):
+    # the root unit's unsharded gradients, made first in every backward, are not an accumulation
+    out = _train(tmp_path, "fsdp2", "--steps", "2", nproc=2)
+    assert "done: steps 0 to 1" in out.stderr and "holds every gradient" not in out.stderr
 
 
 def test_a_resume_keeps_the_parameter_dtype_and_may_change_checkpointing(tmp_path):

@@ -10,6 +10,7 @@ plan's types are ``_step``'s; ``python -m dist_optim.plan`` is ``_cli``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import warnings
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from dist_optim._planner._fsdp2 import local
 from dist_optim._planner._guard import FakeCopies, named_operators
@@ -56,8 +58,10 @@ PLANNED_OPTIONS = ("bucket_cap_mb", "per_parameter", "accumulation_steps", "max_
 def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any],
                 loss_fn: Callable[[nn.Module, Any], torch.Tensor], optimizer_class: type[torch.optim.Optimizer],
                 optimizer_kwargs: dict[str, Any], engine_options: dict[str, Any],
-                autocast_dtype: torch.dtype | None, layout: Layout, mesh: Any, workspaces: Workspaces
-                ) -> tuple[LoopPlan, int, str]:
+                autocast_dtype: torch.dtype | None, layout: Layout, mesh: Any, workspaces: Workspaces,
+                count: bool = False) -> tuple[LoopPlan, int, str]:
+    """One loop traced: its first step, then its warm step (planned, and with ``count`` its FLOPs and the bytes
+    its collectives move)."""
     micro = engine_options.get("accumulation_steps", 1)
     built: list[nn.Module] = []  # the model, for naming the module of an operator that fails
     with FakeTensorMode(), layout.inside_fake_mode(), named_operators(built), warnings.catch_warnings():
@@ -67,7 +71,7 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
         with FakeCopies():  # copy.deepcopy in the builder copies into this fake mode
             model = model_fn()
         built.append(model)
-        trace = MemoryTrace(layout.collective_buffers(), workspaces)
+        trace: MemoryTrace  # the step's being traced, for seen()
 
         def seen(p: torch.Tensor) -> None:
             block = trace.block_of(local(p.grad))
@@ -87,7 +91,17 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
         engine = {**engine_options, **(layout.engine_options() if loop == "in_backward" else {})}
         job = Job(model, loop, loss_fn, optimizer_class, optimizer_kwargs, engine)
         job.autocast = autocast_dtype
-        job.step([batch_fn() for _ in range(micro)])  # the first step creates the optimizer state
+        first = [batch_fn() for _ in range(micro)]
+        # the first step creates the optimizer state: traced too, its peak planned when it is the larger
+        trace = MemoryTrace(layout.collective_buffers(), workspaces)
+        with trace:
+            if layout.resizes:
+                trace.follow(fsdp_resized_tensors(model))
+            trace.seed([local(t) for t in job.resident()] + _tensors(first))
+            job.step(first)
+            trace.finish()
+        first_peak = trace.peak
+        del first
         batches = [batch_fn() for _ in range(micro)]
         extra: list[torch.Tensor] = []
         if hasattr(model, "bucket_buffers"):  # DDP rebuilds its buckets at the next forward: before the trace
@@ -98,18 +112,29 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
             trace.phase = name
         job.phase = phase
         resident = [local(t) for t in job.resident()] + extra
-        with trace:
+        trace = MemoryTrace(layout.collective_buffers(), workspaces)
+        flops = FlopCounterMode(display=False) if count else contextlib.nullcontext()
+        with flops, trace:
             if layout.resizes:  # FSDP2's unsharded parameters, allocated and freed by resizing their storages
                 trace.follow(fsdp_resized_tensors(model))
-            trace.seed(resident + [t for t in tree_leaves(batches) if isinstance(t, torch.Tensor)])
+            trace.seed(resident + _tensors(batches))
             for t in extra:  # DDP's buckets hold gradients
                 trace.block_of(t).is_grad = True
             start = trace.total
             trace.phase = "forward"
             job.step(batches)
             trace.finish()
+        job.phase = lambda name: None
         device = next(model.parameters()).device.type
-        return loop_plan(loop, trace, start, model, job), n_params, device
+        plan = loop_plan(loop, trace, start, model, job)
+        plan.first_step_peak_bytes = first_peak
+        if count:
+            plan.counts = {"flops": flops.get_total_flops(), "collective_bytes": trace.collective_bytes}
+        return plan, n_params, device
+
+
+def _tensors(batches: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(batches) if isinstance(t, torch.Tensor)]
 
 
 def plan(
