@@ -29,7 +29,7 @@ MODEL_SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "tie_weights", "para
 # options of one process run, not of the training: a resume may change them without notice
 PROCESS_OPTIONS = ("stop_after", "device", "threads", "parallel", "pp_stages", "tp_size", "run_dir", "log_every",
                    "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "compare", "profile_step", "plan",
-                   "nproc", "tensorboard", "wandb")
+                   "nproc", "tensorboard", "wandb", "fit", "memory", "allow", "fit_json")
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -131,8 +131,17 @@ class TrainConfig:
                              "(--parallel over --nproc or torchrun's processes; under torchrun rank 0 plans, the "
                              "others exit); prints the per-rank peaks and writes RUN_DIR/plan.json and plan.png "
                              "(docs/planning.md)")
-    nproc: int | None = _opt(None, "--plan: the number of processes of the job planned, without torchrun (an "
+    nproc: int | None = _opt(None, "--plan, --fit: the number of processes of the job planned, without torchrun (an "
                                    "8-process job planned on a laptop); none = torchrun's WORLD_SIZE, else 1")
+    fit: bool = _opt(False, "search the settings that fit --memory per process instead of running (layout, "
+                            "--accumulation-steps, --checkpoint-blocks, --clip-mode; with --allow dtypes and low-bit "
+                            "states), each planned as --plan plans it; prints the best few and the command of the "
+                            "best; exit code 3 when nothing fits (docs/planning.md, Make it fit)")
+    memory: str | None = _opt(None, "--fit: the memory budget per process, e.g. 80GiB, 512MiB")
+    allow: str = _opt("", "--fit: settings that change the job's arithmetic, comma-separated: bf16-params, "
+                          "autocast, low-bit-states (default: only settings bitwise equal to this job's own)")
+    fit_json: str | None = _opt(None, "--fit: write the search into this JSON file: fits, budget_bytes, "
+                                      "planned_peak_bytes, argv (the best's flags) and every candidate")
 
     def __post_init__(self) -> None:
         checks = [

@@ -68,6 +68,8 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
         # the engine compares gradients' storage addresses, which fake tensors do not have (0, and a warning):
         # only FSDP2's shared reduce-scatter buffers depend on it
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        # the plan's own figures say what a setting holding every gradient costs (the saving, the gradients)
+        warnings.filterwarnings("ignore", message="InBackwardOptimizer holds every gradient")
         with FakeCopies():  # copy.deepcopy in the builder copies into this fake mode
             model = model_fn()
         built.append(model)
@@ -250,15 +252,8 @@ def plan(
         return p
     layout = Layout(parallel, world_size, ddp_bucket_cap_mb, gradient_as_bucket_view, fsdp_units, tp_size, shard_size,
                     parallelize, backend)
-    layout.check(engine)
-    plans = {}
-    workspaces = Workspaces()  # calibrated once for both loops
-    with layout.group() as mesh:
-        for loop in LOOPS:
-            logger.info("tracing the %s loop on fake tensors, %s", loop.replace("_", " "), layout.describe())
-            plans[loop], n_params, device = _trace_loop(loop, model_fn, batch_fn, loss_fn, traced,
-                                                        optimizer_kwargs, engine, autocast_dtype, layout, mesh,
-                                                        workspaces)
+    plans, n_params, device, workspaces = _trace(LOOPS, model_fn, batch_fn, loss_fn, traced, optimizer_kwargs, engine,
+                                                 autocast_dtype, layout)
     if parallel != "none" and backend is None:  # as the collectives chose it: by the tensors' device
         layout = dataclasses.replace(layout, backend="nccl" if device == "cuda" else "gloo")
     options = {**engine, **layout.recorded(),
@@ -267,6 +262,39 @@ def plan(
                "optimizer_kwargs": {k: v for k, v in optimizer_kwargs.items() if isinstance(v, (int, float, str))}}
     return MemoryPlan(plans["standard"], plans["in_backward"], n_params, options,
                       NOT_SEEN + layout.not_seen() + _not_seen(optimizer_class, traced) + workspaces.said())
+
+
+def _trace(loops: tuple[str, ...], model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any],
+           loss_fn: Callable[[nn.Module, Any], torch.Tensor], traced: type[torch.optim.Optimizer],
+           optimizer_kwargs: dict[str, Any], engine: dict[str, Any], autocast_dtype: torch.dtype | None,
+           layout: Layout, count: bool = False) -> tuple[dict[str, LoopPlan], int, str, Workspaces]:
+    layout.check(engine)
+    plans = {}
+    workspaces = Workspaces()  # calibrated once for both loops
+    with layout.group() as mesh:
+        for loop in loops:
+            logger.info("tracing the %s loop on fake tensors, %s", loop.replace("_", " "), layout.describe())
+            plans[loop], n_params, device = _trace_loop(loop, model_fn, batch_fn, loss_fn, traced, optimizer_kwargs,
+                                                        engine, autocast_dtype, layout, mesh, workspaces, count)
+    return plans, n_params, device, workspaces
+
+
+def trace_in_backward(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any],
+                      loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+                      optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
+                      autocast_dtype: torch.dtype | None = None, world_size: int = 1, parallel: str = "none",
+                      fsdp_units: Callable[[nn.Module], list[nn.Module]] | None = None, tp_size: int | None = None,
+                      shard_size: int | None = None, parallelize: Callable[[nn.Module, Any], Any] | None = None,
+                      backend: str | None = None, **kwargs: Any) -> tuple[LoopPlan, int]:
+    """The in-backward loop alone, as :func:`plan` traces it (not ``"pp"``), with the warm step's FLOPs and
+    collective bytes (``LoopPlan.counts``): fit's one trace of a candidate. Returns the plan and this rank's
+    parameters."""
+    engine, optimizer_kwargs = _engine_options(kwargs)
+    traced = optimizer_class if steps_on_fake(optimizer_class) else stand_in(optimizer_class, optimizer_kwargs)
+    layout = Layout(parallel, world_size, None, False, fsdp_units, tp_size, shard_size, parallelize, backend)
+    plans, n_params, _, _ = _trace(("in_backward",), model_fn, batch_fn, loss_fn, traced, optimizer_kwargs, engine,
+                                   autocast_dtype, layout, count=True)
+    return plans["in_backward"], n_params
 
 
 def _not_seen(optimizer_class: type, traced: type) -> tuple[str, ...]:
