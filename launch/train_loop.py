@@ -9,11 +9,13 @@ same order and the class steps each tensor on its own (checked by ``--compare``)
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import math
 import pathlib
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -246,10 +248,25 @@ def _grad_bytes(model: nn.Module) -> int:
     return sum((g.to_local() if hasattr(g, "to_local") else g).nbytes for g in grads)
 
 
+@functools.cache
+def _heap_shim() -> Any:
+    """benchmarks/heap_shim.c's peak, when it is preloaded (LD_PRELOAD) into this process; else None."""
+    try:
+        peak = ctypes.CDLL(None).shim_peak
+    except (AttributeError, OSError):
+        return None
+    peak.restype = ctypes.c_long
+    return peak
+
+
 def _memory_peak(device: torch.device) -> int:
-    """CUDA: the allocator's peak since the step began; CPU: the process's resident high-water mark (VmHWM)."""
+    """CUDA: the allocator's peak since the step began; CPU: with benchmarks/heap_shim.c preloaded, the tensor
+    bytes of every thread at their peak since the process began (the run's peak so far), else the process's
+    resident high-water mark (VmHWM)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    if _heap_shim() is not None:
+        return int(_heap_shim()())
     try:
         status = pathlib.Path("/proc/self/status").read_text()
     except OSError:

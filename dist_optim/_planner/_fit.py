@@ -80,6 +80,10 @@ def fit_settings(settings: Sequence[FitSetting], plan_for: Callable[[FitSetting]
             traced = search.traced(out[i].setting)
             out[i] = dataclasses.replace(traced, argv=out[i].argv)
     _rank(out, usable)
+    if all(c.planned_by == "bound" for c in out):  # the smallest figure said is a plan, not a bound
+        i = min(range(len(out)), key=lambda i: out[i].planned_peak_bytes)
+        out[i] = dataclasses.replace(search.traced(out[i].setting), argv=out[i].argv)
+        _rank(out, usable)
     return FitResult(budget, headroom, out, device, search.count, round(time.perf_counter() - t0, 1))
 
 

@@ -143,7 +143,10 @@ class MemoryTrace(TorchDispatchMode):
     def _settle_peak(self) -> None:
         # the blocks at the peak are copied once, when the total first falls from it (or at the end)
         if self._peak_pending:
-            self.peak_blocks = [(b, b.nbytes) for b in self._live.values()]  # the sizes then: a resize changes them
+            # the sizes then: a resize changes them. A snapshot first (copied in C, no Python code runs): a
+            # collection during the loop may run a storage's finalizer, which removes its block from _live
+            live = tuple(self._live.values())
+            self.peak_blocks = [(b, b.nbytes) for b in live]
             self._peak_pending = False
 
     def follow(self, tensors: Iterable[torch.Tensor]) -> None:
