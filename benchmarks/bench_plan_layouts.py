@@ -130,11 +130,6 @@ def _rank(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     return shim.warm_step(lambda: job.step(batches), base, args.steps)
 
 
-def _rows(rank: int, args: argparse.Namespace) -> dict[str, Any]:
-    """:func:`_rank` for each of ``args.rows`` in turn, on this rank of one group."""
-    return {"rows": [_rank(rank, argparse.Namespace(**{**vars(args), **row})) for row in args.rows]}
-
-
 def measured_together(configs: list[tuple], steps: int = STEPS) -> dict[str, dict[str, list[dict]]]:
     """Per configuration (label, shape, layout, engine; one world size), per loop, each rank's measured figures over
     ``steps`` warm steps: each loop in its own spawned group of gloo ranks, which measures the configurations one
@@ -148,12 +143,12 @@ def measured_together(configs: list[tuple], steps: int = STEPS) -> dict[str, dic
             for _, shape, layout, engine in configs]
     out: dict[str, dict[str, list[dict]]] = {label: {} for label, *_ in configs}
     for loop in LOOPS:
-        args = argparse.Namespace(device="cpu", threads=1, malloc="pinned", loop=loop, steps=steps, rows=rows)
-        ranks, no_shim = h.spawn(_rows, args, world, heap_shim=True)
+        args = argparse.Namespace(device="cpu", threads=1, malloc="pinned", loop=loop, steps=steps)
+        each, no_shim = h.spawn_rows(_rank, args, rows, world, heap_shim=True)
         if no_shim:
             raise RuntimeError(f"heap shim not preloaded ({no_shim}): no per-rank peak of every thread")
-        for k, (label, *_) in enumerate(configs):
-            out[label][loop] = [r["rows"][k] for r in ranks]
+        for (label, *_), ranks in zip(configs, each):
+            out[label][loop] = ranks
     return out
 
 
