@@ -130,29 +130,44 @@ def _rank(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     return shim.warm_step(lambda: job.step(batches), base, args.steps)
 
 
+def measured_together(configs: list[tuple], steps: int = STEPS) -> dict[str, dict[str, list[dict]]]:
+    """Per configuration (label, shape, layout, engine; one world size), per loop, each rank's measured figures over
+    ``steps`` warm steps: each loop in its own spawned group of gloo ranks, which measures the configurations one
+    after the other (each from its own baseline, taken after the previous one's model is freed). One group for
+    several rows saves each row's interpreters (the tests' way); the benchmark gives each row its own."""
+    worlds = {_world(layout) for _, _, layout, _ in configs}
+    if len(worlds) != 1:
+        raise ValueError(f"measured_together needs one world size, got {sorted(worlds)}")
+    world = worlds.pop()
+    rows = [{"shape": list(shape), "layout": sorted(layout.items()), "engine": sorted(engine.items())}
+            for _, shape, layout, engine in configs]
+    out: dict[str, dict[str, list[dict]]] = {label: {} for label, *_ in configs}
+    for loop in LOOPS:
+        args = argparse.Namespace(device="cpu", threads=1, malloc="pinned", loop=loop, steps=steps)
+        each, no_shim = h.spawn_rows(_rank, args, rows, world, heap_shim=True)
+        if no_shim:
+            raise RuntimeError(f"heap shim not preloaded ({no_shim}): no per-rank peak of every thread")
+        for (label, *_), ranks in zip(configs, each):
+            out[label][loop] = ranks
+    return out
+
+
 def measured(shape: tuple[int, ...], layout: dict[str, Any], engine: dict[str, Any], steps: int = STEPS
              ) -> dict[str, list[dict]]:
     """Per loop, each rank's measured figures over ``steps`` warm steps (each loop in its own spawned group of
     ``WORLD`` gloo ranks)."""
-    out = {}
-    for loop in LOOPS:
-        args = argparse.Namespace(device="cpu", threads=1, malloc="pinned", shape=list(shape), loop=loop,
-                                  layout=sorted(layout.items()), engine=sorted(engine.items()), steps=steps)
-        ranks, no_shim = h.spawn(_rank, args, _world(layout), heap_shim=True)
-        if no_shim:
-            raise RuntimeError(f"heap shim not preloaded ({no_shim}): no per-rank peak of every thread")
-        out[loop] = ranks
-    return out
+    return measured_together([("", shape, layout, engine)], steps)[""]
 
 
 def compare(shape: tuple[int, ...], layout: dict[str, Any], engine: dict[str, Any], statistic: str = "mode",
-            steps: int = STEPS) -> dict[str, Any]:
+            steps: int = STEPS, m: dict[str, list[dict]] | None = None) -> dict[str, Any]:
     """Planned (one rank) against measured (every rank); ``error`` is (planned - measured) / measured on the rank
     furthest from the plan. Each rank's step peak is the ``statistic`` (``"mode"``, ``"median"`` or ``"min"``) of
     its ``steps`` steps (STEPS in the benchmark; fewer in the tests): under DDP they are all equal; under FSDP2 on gloo most steps measure the same peak, and a few
     are higher (a buffer gloo frees late, on its own thread, after the collective has returned, that lands on the
     peak) or lower: the mode is the step the plan plans, and ``late`` counts the steps above it on each rank
-    (``late_max_bytes``: the most above), the headroom the plan states."""
+    (``late_max_bytes``: the most above), the headroom the plan states. ``m``: the figures already measured
+    (:func:`measured_together`) instead of measuring them here."""
     pick = {"mode": h.mode, "median": lambda xs: sorted(xs)[(len(xs) - 1) // 2], "min": min}[statistic]
     model_fn, batch_fn, loss = _builders(shape)
     parallel, world = _parallel(layout), _world(layout)
@@ -161,7 +176,7 @@ def compare(shape: tuple[int, ...], layout: dict[str, Any], engine: dict[str, An
         extra, loss = {"parallelize": tensor_parallel}, _tp_loss
     p = plan(model_fn, batch_fn, loss, torch.optim.AdamW, **{"parallel": "ddp", "world_size": WORLD, **layout},
              **extra, **engine, **OPTIMIZER_KWARGS)
-    m = measured(shape, layout, engine, steps)
+    m = measured(shape, layout, engine, steps) if m is None else m
     for ranks in m.values():
         for r in ranks:
             r["step_peak_bytes"] = pick(r["step_peak_each"])

@@ -80,26 +80,37 @@ def _rank(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     return shim.warm_step(lambda: job.step(batches), base, STEPS)
 
 
-def measured(shape: tuple[int, ...], schedule: str, microbatches: int, engine: dict[str, Any]
-             ) -> dict[str, list[dict]]:
-    """Per loop, each rank's (stage's) measured figures (each loop in its own spawned group of ``WORLD`` ranks)."""
-    out = {}
+def measured_together(configs: list[tuple]) -> dict[str, dict[str, list[dict]]]:
+    """Per configuration (label, shape, schedule, micro-batches, engine), per loop, each rank's (stage's) measured
+    figures: each loop in its own spawned group of ``WORLD`` ranks, which measures the configurations one after the
+    other (each from its own baseline). One group for several rows saves each row's interpreters (the tests' way)."""
+    rows = [{"shape": list(shape), "schedule": schedule, "microbatches": micro, "engine": sorted(engine.items())}
+            for _, shape, schedule, micro, engine in configs]
+    out: dict[str, dict[str, list[dict]]] = {label: {} for label, *_ in configs}
     for loop in LOOPS:
-        args = argparse.Namespace(device="cpu", threads=1, malloc="pinned", shape=list(shape), loop=loop,
-                                  schedule=schedule, microbatches=microbatches, engine=sorted(engine.items()))
-        ranks, no_shim = h.spawn(_rank, args, WORLD, heap_shim=True)
+        args = argparse.Namespace(device="cpu", threads=1, malloc="pinned", loop=loop)
+        each, no_shim = h.spawn_rows(_rank, args, rows, WORLD, heap_shim=True)
         if no_shim:
             raise RuntimeError(f"heap shim not preloaded ({no_shim}): no per-rank peak of every thread")
-        out[loop] = ranks
+        for (label, *_), ranks in zip(configs, each):
+            out[label][loop] = ranks
     return out
 
 
-def compare(shape: tuple[int, ...], schedule: str, microbatches: int, engine: dict[str, Any]) -> dict[str, Any]:
-    """Each stage planned against its rank measured; ``error`` is (planned - measured) / measured."""
+def measured(shape: tuple[int, ...], schedule: str, microbatches: int, engine: dict[str, Any]
+             ) -> dict[str, list[dict]]:
+    """Per loop, each rank's (stage's) measured figures (each loop in its own spawned group of ``WORLD`` ranks)."""
+    return measured_together([("", shape, schedule, microbatches, engine)])[""]
+
+
+def compare(shape: tuple[int, ...], schedule: str, microbatches: int, engine: dict[str, Any],
+            m: dict[str, list[dict]] | None = None) -> dict[str, Any]:
+    """Each stage planned against its rank measured; ``error`` is (planned - measured) / measured. ``m``: the
+    figures already measured (:func:`measured_together`) instead of measuring them here."""
     model_fn, batch_fn, _ = _builders(shape)
     p = plan(model_fn, batch_fn, loss_fn, torch.optim.AdamW, world_size=WORLD, parallel="pp", pp_schedule=schedule,
              n_microbatches=microbatches, pp_stage_fn=gpt_stage, **engine, **OPTIMIZER_KWARGS)
-    m = measured(shape, schedule, microbatches, engine)
+    m = measured(shape, schedule, microbatches, engine) if m is None else m
     stages = []
     for k, sp in enumerate(p.stages):
         res: dict[str, Any] = {"stage": k, "n_params": sp.n_params, "recv_buffer_bytes": sp.options["recv_buffer_bytes"]}

@@ -480,6 +480,21 @@ def spawn_ranks(fn: Callable[[int, argparse.Namespace], dict[str, Any]], args: a
     return ranks, no_shim
 
 
+def _each_row(rank: int, args: argparse.Namespace) -> dict[str, Any]:
+    return {"rows": [args.row_fn(rank, argparse.Namespace(**{**vars(args), **row})) for row in args.rows]}
+
+
+def spawn_rows(fn: Callable[[int, argparse.Namespace], dict[str, Any]], args: argparse.Namespace,
+               rows: list[dict[str, Any]], world: int = 2, heap_shim: bool = False
+               ) -> tuple[list[list[dict[str, Any]]], str | None]:
+    """:func:`spawn` for several rows at the cost of one: ``fn(rank, args)`` once per row (a dict of attributes that
+    replace ``args``'), one row after the other, on one group of ``world`` spawned ranks; each row's results (a list
+    over the ranks), and why the heap shim is not preloaded. The interpreters' start, not the rows, is what a small
+    spawned job costs."""
+    ranks, no_shim = spawn(_each_row, argparse.Namespace(**vars(args), row_fn=fn, rows=rows), world, heap_shim)
+    return [[r["rows"][k] for r in ranks] for k in range(len(rows))], no_shim
+
+
 def spawn(fn: Callable[[int, argparse.Namespace], dict[str, Any]], args: argparse.Namespace, world: int = 2,
           heap_shim: bool = False) -> tuple[list[dict[str, Any]], str | None]:
     """``fn(rank, args)`` on ``world`` spawned ranks with a process group (gloo; NCCL with --device cuda); their

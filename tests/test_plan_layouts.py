@@ -1,7 +1,7 @@
-"""The memory planner's layouts: one rank of a DDP or FSDP2 job (with accumulation too), planned on fake tensors in one
-process, against the same job measured on 2 real gloo ranks (every thread's tensor bytes, heap_shim.c; the mode of
-15 steps); gloo's buffers inside FSDP2's collectives, planned, and NCCL's, not; the layouts it does not plan
-refused."""
+"""The memory planner's layouts: one rank of a DDP or FSDP2 job (with accumulation too) or a TP job, planned on fake
+tensors in one process, against the same job measured on 2 real gloo ranks (every thread's tensor bytes, heap_shim.c;
+the mode of 15 steps; one group of ranks per loop measures every row); gloo's buffers inside FSDP2's collectives,
+planned, and NCCL's, not; the layouts it does not plan refused."""
 
 from __future__ import annotations
 
@@ -44,44 +44,75 @@ def _assert_agrees(res: dict) -> None:
         assert abs(s["planned"] - measured) <= AGREEMENT * max(abs(measured), 1), s
 
 
-@needs_ranks
-@pytest.mark.parametrize("label", ["ddp, cap 0.5", "ddp, cap 0.5, views", "ddp, cap 0.5, accumulation 2",
-                                   "ddp, cap 0.5, views, accumulation 2"])
-def test_a_ddp_rank_planned_agrees_with_two_gloo_ranks_measured(label):
-    _, shape, layout, engine = next(c for c in bench_plan_layouts.CONFIGS if c[0] == label)
-    res = bench_plan_layouts.compare(shape, layout, engine)
+DDP_ROWS = ("ddp, cap 0.5", "ddp, cap 0.5, views", "ddp, cap 0.5, accumulation 2", "ddp, cap 0.5, views, accumulation 2")
+FSDP2_ROWS = ("fsdp2, 2 x 256, cap 0.5", "fsdp2, 2 x 256, accumulation 2")
+TP_ROW = "tp, 2 x 256, cap 0.5"
+
+
+def measured_rows(labels: tuple[str, ...], steps: int = bench_plan_layouts.STEPS) -> dict[str, dict]:
+    """Each row planned and measured (bench_plan_layouts.compare), the rows measured by one group of gloo ranks per
+    loop: the interpreters' start, not the steps, is what a row costs."""
+    configs = [next(c for c in bench_plan_layouts.CONFIGS if c[0] == label) for label in labels]
+    m = bench_plan_layouts.measured_together(configs, steps)
+    return {label: bench_plan_layouts.compare(shape, layout, engine, steps=steps, m=m[label])
+            for label, shape, layout, engine in configs}
+
+
+def _assert_ddp_agrees(label: str, res: dict) -> None:
+    _, _, layout, engine = next(c for c in bench_plan_layouts.CONFIGS if c[0] == label)
     _assert_agrees(res)
     for loop in ("standard", "in_backward"):  # the step's own peak to the byte: gloo's all-reduce allocates nothing
-        assert res[loop]["planned_step_peak"] == res[loop]["measured_step_peak"], res[loop]
+        assert res[loop]["planned_step_peak"] == res[loop]["measured_step_peak"], (label, res[loop])
     if layout.get("gradient_as_bucket_view") or engine.get("accumulation_steps", 1) > 1:
         # DDP's buckets hold every gradient in both loops, or the gradients accumulated under no_sync() are all
         # alive when the last backward starts: nothing to save
-        assert res["saving"]["planned"] == 0
+        assert res["saving"]["planned"] == 0, label
     else:  # the gradients copied into DDP's buckets are freed bucket by bucket in backward
-        assert res["saving"]["planned"] > 2**20
+        assert res["saving"]["planned"] > 2**20, label
     for loop in ("standard", "in_backward"):
-        assert res[loop]["gloo_threads_bytes"] == [0, 0]  # DDP's gloo collectives allocate no tensors on its threads
+        assert res[loop]["gloo_threads_bytes"] == [0, 0], label  # DDP's gloo collectives allocate no tensors
 
 
-@needs_ranks
-@pytest.mark.parametrize("label", ["fsdp2, 2 x 256, cap 0.5", "fsdp2, 2 x 256, accumulation 2"])
-def test_an_fsdp2_rank_planned_agrees_with_two_gloo_ranks_measured(label):
+def _assert_fsdp2_agrees(label: str, res: dict) -> None:
     # The plan holds gloo's buffers inside FSDP2's collectives (communication: the all-gather's flat output, the
     # reduce-scatter's copy of its input) for each collective's duration. Gloo frees some of them late, on its own
     # thread, after the collective returned: a few of a rank's steps measure higher than the rest (headroom, stated in
     # the plan), so each rank's most frequent step peak of 15 is compared.
-    _, shape, layout, engine = next(c for c in bench_plan_layouts.CONFIGS if c[0] == label)
-    res = bench_plan_layouts.compare(shape, layout, engine, statistic="mode")
+    for loop in ("standard", "in_backward"):
+        r = res[loop]
+        assert abs(r["error"]) <= AGREEMENT, (label, loop, r["planned_peak"], r["measured_peak"], r["ranks"])
+        # tighter than the issue's 10 %: the step's own peak to FSDP2_BYTES, the resident bytes to 1 %
+        assert abs(r["planned_step_peak"] - r["measured_step_peak"]) <= FSDP2_BYTES, (label, loop, r["ranks"])
+        assert abs(r["planned_start"] / r["measured_start"] - 1) <= 0.01, label  # the shards and their state
+        assert r["breakdown"]["communication"] > 0, label  # gloo's buffers set the peak at this size
+    s = res["saving"]
+    for measured in s["measured"]:  # 0 planned and 0 measured on 2 x 256: gloo's buffers set both loops' peaks
+        assert abs(s["planned"] - measured) <= AGREEMENT * abs(measured) + FSDP2_BYTES, (label, s)
+
+
+def _assert_tp_agrees(res: dict) -> None:
     for loop in ("standard", "in_backward"):
         r = res[loop]
         assert abs(r["error"]) <= AGREEMENT, (loop, r["planned_peak"], r["measured_peak"], r["ranks"])
-        # tighter than the issue's 10 %: the step's own peak to FSDP2_BYTES, the resident bytes to 1 %
-        assert abs(r["planned_step_peak"] - r["measured_step_peak"]) <= FSDP2_BYTES, (loop, r["ranks"])
-        assert abs(r["planned_start"] / r["measured_start"] - 1) <= 0.01  # the shards and their state
-        assert r["breakdown"]["communication"] > 0  # gloo's buffers set the peak at this size
-    s = res["saving"]
-    for measured in s["measured"]:  # 0 planned and 0 measured on 2 x 256: gloo's buffers set both loops' peaks
-        assert abs(s["planned"] - measured) <= AGREEMENT * abs(measured) + FSDP2_BYTES, s
+        assert abs(r["planned_start"] / r["measured_start"] - 1) <= 0.01, (loop, r["planned_start"],
+                                                                            r["measured_start"])
+        # DTensor's all-reduces allocate only their outputs: the step's own peak to the byte
+        assert r["planned_step_peak"] == r["measured_step_peak"], r
+    for measured in res["saving"]["measured"]:
+        assert abs(res["saving"]["planned"] - measured) <= AGREEMENT * abs(measured), res["saving"]
+    assert res["saving"]["planned"] > 2**20  # the MLPs' shards and the replicated rest, bucket by bucket
+
+
+@needs_ranks
+def test_ddp_fsdp2_and_tp_ranks_planned_agree_with_two_gloo_ranks_measured():
+    """Every 2-rank row: DDP (cap 0.5; views; accumulation 2; both), FSDP2 (2 x 256; accumulation 2) and TP (2 x 256)
+    planned against one group of 2 gloo ranks per loop measuring each row in turn."""
+    rows = measured_rows((*DDP_ROWS, *FSDP2_ROWS, TP_ROW))
+    for label in DDP_ROWS:
+        _assert_ddp_agrees(label, rows[label])
+    for label in FSDP2_ROWS:
+        _assert_fsdp2_agrees(label, rows[label])
+    _assert_tp_agrees(rows[TP_ROW])
 
 
 def test_fsdp2_with_exact_clipping_holds_the_sharded_gradients_as_the_standard_loop_does():

@@ -1,6 +1,7 @@
 """The memory planner's tensor-parallel layouts: one rank of a TP (2 ranks), FSDP2 x TP (2 x 2) or HSDP (2 x 2) job,
 planned on fake tensors over a fake process group and device mesh, against the same job measured on real gloo ranks
-(every thread's tensor bytes, heap_shim.c); what the plan's rank holds; the settings it refuses."""
+(every thread's tensor bytes, heap_shim.c; the TP row with the other 2-rank rows in test_plan_layouts.py); what the
+plan's rank holds; the settings it refuses."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from test_plan_layouts import AGREEMENT, FSDP2_BYTES, TINY_LLAMA, needs_ranks
+from test_plan_layouts import AGREEMENT, FSDP2_BYTES, TINY_LLAMA, measured_rows, needs_ranks
 
 from benchmarks import bench_plan_layouts
 from benchmarks.bench_plan import _builders
@@ -22,10 +23,6 @@ TINY = (2, 2, 64, 16, 2)  # n_layer, n_head, n_embd, block_size, batch: the fast
 # warm steps measured per rank on 4 gloo ranks: the mode of 5 is the planned step (the benchmark measures 15; a late
 # gloo free lands on a step or two of them at most)
 FEW_STEPS = 5
-
-
-def _config(label: str):
-    return next(c for c in bench_plan_layouts.CONFIGS if c[0] == label)[1:]
 
 
 def _assert_agrees(res: dict, step_bytes: int | None = None) -> None:
@@ -44,28 +41,18 @@ def _assert_agrees(res: dict, step_bytes: int | None = None) -> None:
 
 
 @needs_ranks
-def test_a_tp_rank_planned_agrees_with_two_gloo_ranks_measured():
-    res = bench_plan_layouts.compare(*_config("tp, 2 x 256, cap 0.5"))
-    _assert_agrees(res)
-    for loop in ("standard", "in_backward"):  # DTensor's all-reduces allocate only their outputs: to the byte
-        assert res[loop]["planned_step_peak"] == res[loop]["measured_step_peak"], res[loop]
-    assert res["saving"]["planned"] > 2**20  # the MLPs' shards and the replicated rest, bucket by bucket
-
-
-@needs_ranks
-def test_an_fsdp2_x_tp_rank_planned_agrees_with_four_gloo_ranks_measured():
+def test_fsdp2_x_tp_and_hsdp_ranks_planned_agree_with_four_gloo_ranks_measured():
+    """Both 4-rank rows measured by one group of 4 gloo ranks per loop (the 2-rank TP row is measured with the DDP and
+    FSDP2 rows: test_plan_layouts.py)."""
+    rows = measured_rows(("fsdp2+tp, 4 x 512, cap 0.5", "hsdp, 2 x 256, cap 0.5"), steps=FEW_STEPS)
     # gloo's buffers inside FSDP2's collectives over "dp" are planned (communication): the step's own peak to the byte
-    res = bench_plan_layouts.compare(*_config("fsdp2+tp, 4 x 512, cap 0.5"), steps=FEW_STEPS)
+    res = rows["fsdp2+tp, 4 x 512, cap 0.5"]
     _assert_agrees(res, FSDP2_BYTES)
     assert res["saving"]["planned"] > 4 * 2**20
-
-
-@needs_ranks
-def test_an_hsdp_rank_planned_agrees_with_four_gloo_ranks_measured():
     # the mode of each rank's steps: where gloo frees a buffer earlier or later a step measures lower or higher than
     # the rest; the lowest would show a saving that the job does not have
     # the smaller model: HSDP's kept gradient buffers show at any size
-    res = bench_plan_layouts.compare(*_config("hsdp, 2 x 256, cap 0.5"), steps=FEW_STEPS)
+    res = rows["hsdp, 2 x 256, cap 0.5"]
     _assert_agrees(res, FSDP2_BYTES)
     # FSDP2 keeps each unit's reduced gradient buffer (the all-reduce's input) until backward ends under HSDP: the
     # buckets step in backward and free nothing, on the real ranks as in the plan
