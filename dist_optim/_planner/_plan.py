@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import warnings
 from collections.abc import Callable
@@ -96,12 +97,19 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
         first = [batch_fn() for _ in range(micro)]
         # the first step creates the optimizer state: traced too, its peak planned when it is the larger
         trace = MemoryTrace(layout.collective_buffers(), workspaces)
-        with trace:
-            if layout.resizes:
-                trace.follow(fsdp_resized_tensors(model))
-            trace.seed([local(t) for t in job.resident()] + _tensors(first))
-            job.step(first)
-            trace.finish()
+        # without collections: tensors that reference cycles hold (DTensor's first dispatches make some) are freed
+        # when a collection happens to run, which made this peak vary from process to process; planned as if late
+        gc.collect()
+        gc.disable()
+        try:
+            with trace:
+                if layout.resizes:
+                    trace.follow(fsdp_resized_tensors(model))
+                trace.seed([local(t) for t in job.resident()] + _tensors(first))
+                job.step(first)
+                trace.finish()
+        finally:
+            gc.enable()
         first_peak = trace.peak
         del first
         batches = [batch_fn() for _ in range(micro)]

@@ -95,7 +95,8 @@ class MemoryPlan:
         """Both loops side by side, in MiB, with the saving and what the plan does not see."""
         rows = [("", "standard", "in backward")]
         rows.append(("peak (MiB)", *(f"{lp.peak_bytes / MiB:.1f}" for lp in self.loops())))
-        rows.append(("first step's peak", *(f"{lp.first_step_peak_bytes / MiB:.1f}" for lp in self.loops())))
+        if any(lp.first_step_peak_bytes for lp in self.loops()):  # traced (not by the pipeline planner)
+            rows.append(("first step's peak", *(f"{lp.first_step_peak_bytes / MiB:.1f}" for lp in self.loops())))
         for c in CATEGORIES:
             rows.append((f"  {c.replace('_', ' ')}", *(f"{lp.breakdown[c] / MiB:.1f}" for lp in self.loops())))
         rows.append(("bytes / parameter", *(f"{lp.peak_bytes / max(1, self.n_params):.2f}" for lp in self.loops())))
