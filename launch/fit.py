@@ -107,10 +107,11 @@ def fit_job(cfg: TrainConfig) -> int:
     world = _world(cfg)
     shards = {"none": 1, "ddp": 1}
 
-    def plan_for(s: dist_optim.FitSetting) -> dict[str, Any]:
+    def plan_for(s: dist_optim.FitSetting, depth: int | None = None) -> dict[str, Any]:
         c = _config(cfg, s)
-        args = plan_arguments(c, planned_job(c, {"WORLD_SIZE": str(world)}))
-        return args
+        if depth is not None:  # a shallow GPT of the same width: fit extrapolates to --n-layer
+            c = dataclasses.replace(c, n_layer=depth)
+        return plan_arguments(c, planned_job(c, {"WORLD_SIZE": str(world)}))
 
     def params_bytes(s: dist_optim.FitSetting) -> int:
         return n_params * (2 if s.param_dtype == "bfloat16" else 4) // shards.get(s.parallel, world)
@@ -120,7 +121,7 @@ def fit_job(cfg: TrainConfig) -> int:
                           f"multiple of {world}")
     try:
         result = dist_optim.fit_settings(candidates, plan_for, memory=cfg.memory, params_bytes=params_bytes,
-                                         argv_for=lambda s: argv(cfg, s))
+                                         argv_for=lambda s: argv(cfg, s), blocks=cfg.n_layer)
     except (ValueError, NotImplementedError) as e:
         raise LaunchError(f"--fit: {' '.join(str(e).split())}") from e
     print(result.table())

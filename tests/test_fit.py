@@ -72,12 +72,21 @@ def test_bad_inputs_name_the_value():
         _fit(memory="1GiB", devices=0)
 
 
-def test_the_recommended_setting_of_a_hugging_face_model_measures_its_plan():
+HF_CONFIGS = {
+    "gpt2": dict(model_type="gpt2", n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64),
+    "llama": dict(model_type="llama", num_hidden_layers=2, hidden_size=64, intermediate_size=160,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=64),
+}
+
+
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+def test_the_recommended_setting_of_a_hugging_face_model_measures_its_plan(name):
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64)
+    kwargs = dict(HF_CONFIGS[name])
+    config = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
 
     def model_fn():
-        return transformers.GPT2LMHeadModel(config)
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
     def batch_fn(n):
         return torch.randint(0, 512, (n, 64))

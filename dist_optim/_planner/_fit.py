@@ -10,7 +10,7 @@ blocks not checkpointed. So, per group of settings that differ only in micro-bat
 they accumulate, which holds every gradient), the smallest and largest micro-batch are traced with no block and
 with every block checkpointed; the rest are interpolated linearly ("derived"). Those ranked best are then traced
 themselves before one is recommended, and a setting whose parameters alone exceed the budget is not traced at all
-("bound"). Cost: the traced warm step's FLOPs (``FlopCounterMode``: the recomputation of checkpointed blocks and
+("bound"). Cost: the traced warm step's FLOPs (``torch.utils.flop_counter``'s formulas: the recomputation of checkpointed blocks and
 ``two_pass``'s second backward are in it, as run) at the device's peak, plus the bytes its collectives move over
 the device's link; the two are added (no overlap assumed).
 """
@@ -47,27 +47,33 @@ logger = logging.getLogger(__name__)
 HEADROOM = 0.10  # docs/planning.md, "Make it fit": what the plan cannot see, on CUDA
 
 
-def fit_settings(settings: Sequence[FitSetting], plan_for: Callable[[FitSetting], dict[str, Any]], *,
+def fit_settings(settings: Sequence[FitSetting], plan_for: Callable[..., dict[str, Any]], *,
                  memory: int | float | str, params_bytes: Callable[[FitSetting], int] | None = None,
-                 headroom: float = HEADROOM, device: str = "auto", verify: int = 3,
-                 argv_for: Callable[[FitSetting], list[str]] | None = None) -> FitResult:
+                 headroom: float = HEADROOM, device: str = "auto", verify: int = 2,
+                 argv_for: Callable[[FitSetting], list[str]] | None = None, blocks: int | None = None
+                 ) -> FitResult:
     """Plan each of ``settings`` (traced or derived, see the module's docstring), keep those under ``memory``
     less ``headroom``, rank them by estimated step time, and trace the best ``verify`` themselves.
 
     ``plan_for(setting)`` gives :func:`dist_optim.plan`'s arguments for the setting (not ``"pp"``);
-    ``params_bytes(setting)``, if given, the bytes of parameters one device holds, a bound that spares a trace;
-    ``argv_for(setting)`` the command line that runs it (kept in each candidate)."""
+    ``params_bytes(setting)``, if given, the bytes of parameters one device holds, a bound that spares a trace
+    (with the optimizer state's bytes per parameter byte, once a trace has shown them);
+    ``argv_for(setting)`` the command line that runs it (kept in each candidate). ``blocks``: the model's number
+    of identical blocks, given when ``plan_for(setting, depth=d)`` builds the model with ``d`` of them (and
+    ``checkpoint_blocks`` counted among those): the groups' corners are then traced at depths 2 and 4 and
+    extrapolated to ``blocks`` (each part of the memory grows linearly with the blocks), which is what makes a
+    deep model quick to search."""
     budget = parse_memory(memory)
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom!r}: the fraction of the budget kept free")
     device = _device(device)
     t0 = time.perf_counter()
-    search = _Search(plan_for, device)
+    search = _Search(plan_for, device, blocks)
     search.plan_groups(settings)
     usable = int(budget * (1 - headroom))
     out = []
     for s in dict.fromkeys(settings):  # in order, once each
-        bound = params_bytes(s) if params_bytes is not None else 0
+        bound = search.bound(s, params_bytes(s)) if params_bytes is not None else 0
         c = FitCandidate(s, bound, "bound") if bound > usable else search.candidate(s)
         c.argv = argv_for(s) if argv_for is not None else []
         out.append(c)
@@ -108,22 +114,64 @@ def _device(device: str) -> str:
 class _Search:
     """Traces on demand, each setting once, and derives the others from them."""
 
-    def __init__(self, plan_for: Callable[[FitSetting], dict[str, Any]], device: str) -> None:
+    DEPTHS = (2, 4)  # the depths a deep model's corners are traced at
+
+    def __init__(self, plan_for: Callable[..., dict[str, Any]], device: str, blocks: int | None) -> None:
         self.plan_for, self.device, self.count = plan_for, device, 0
+        self.blocks = blocks if blocks is not None and blocks > 2 * self.DEPTHS[-1] else None
         self.memo: dict[FitSetting, FitCandidate] = {}
+        self.shallow: dict[tuple[FitSetting, int], FitCandidate] = {}
         self.group_of: dict[FitSetting, tuple[int, int, int, int]] = {}
+        self.state_ratio: dict[tuple[str, str], float] = {}  # optimizer state / parameter bytes, as traced
+
+    def bound(self, s: FitSetting, params: int) -> int:
+        """What ``s`` holds at least: its parameters, and its state once a trace of its kind has shown the ratio."""
+        return int(params * (1 + self.state_ratio.get((s.state, s.param_dtype), 0.0)))
 
     def traced(self, s: FitSetting) -> FitCandidate:
         if s not in self.memo or self.memo[s].planned_by != "traced":
-            logger.info("fit: tracing %s", s.describe())
-            plan, n_params = trace_in_backward(**self.plan_for(s))
-            self.count += 1
-            flops, comm = plan.counts["flops"], plan.counts["collective_bytes"]
-            if s.parallel == "ddp":  # the planner's DDP reduces without a collective: a ring all-reduce's bytes
-                comm += 2 * n_params * (2 if s.param_dtype == "bfloat16" else 4)
-            self.memo[s] = FitCandidate(s, plan.run_peak_bytes, "traced", flops=flops, collective_bytes=comm,
-                                        cost_seconds=self.seconds(s, flops, comm))
+            self.memo[s] = self._trace(s, None)
         return self.memo[s]
+
+    def _trace(self, s: FitSetting, depth: int | None) -> FitCandidate:
+        logger.info("fit: tracing %s%s", s.describe(), "" if depth is None else f" at {depth} blocks")
+        arguments = self.plan_for(s) if depth is None else self.plan_for(s, depth=depth)
+        plan, n_params = trace_in_backward(**arguments, first_step=depth is None)
+        self.count += 1
+        flops, comm = plan.counts["flops"], plan.counts["collective_bytes"]
+        if s.parallel == "ddp":  # the planner's DDP reduces without a collective: a ring all-reduce's bytes
+            comm += 2 * n_params * (2 if s.param_dtype == "bfloat16" else 4)
+        held = plan.breakdown
+        if held["parameters"]:
+            key = (s.state, s.param_dtype)
+            ratio = held["optimizer_state"] / held["parameters"]
+            self.state_ratio[key] = min(ratio, self.state_ratio.get(key, ratio))
+        # a shallow trace is extrapolated from its warm step: the first step's figure of a trace depends on what
+        # the process traced before (docs/planning.md), which extrapolation would magnify
+        peak = plan.run_peak_bytes if depth is None else plan.peak_bytes
+        return FitCandidate(s, peak, "traced", flops=flops, collective_bytes=comm,
+                            cost_seconds=self.seconds(s, flops, comm))
+
+    def corner(self, s: FitSetting) -> FitCandidate:
+        """A group's corner: traced, or for a deep model extrapolated from two shallow traces of it."""
+        if self.blocks is None or s in self.memo:
+            return self.traced(s)
+        d1, d2 = self.DEPTHS
+        if (s.checkpoint_blocks * d1) % self.blocks:  # the shallow models cannot checkpoint the same share
+            return self.traced(s)
+        shallow = []
+        for d in (d1, d2):
+            if (s, d) not in self.shallow:
+                self.shallow[s, d] = self._trace(dataclasses.replace(
+                    s, checkpoint_blocks=s.checkpoint_blocks * d // self.blocks), d)
+            shallow.append(self.shallow[s, d])
+        w = (self.blocks - d1) / (d2 - d1)
+
+        def value(get: Callable[[FitCandidate], float]) -> float:
+            return get(shallow[0]) + w * (get(shallow[1]) - get(shallow[0]))
+        flops, comm = value(lambda c: c.flops), value(lambda c: c.collective_bytes)
+        return FitCandidate(s, int(value(lambda c: c.planned_peak_bytes)), "derived", flops=flops,
+                            collective_bytes=comm, cost_seconds=self.seconds(s, flops, comm))
 
     def seconds(self, s: FitSetting, flops: float, comm: float) -> float:
         fp32, bf16, intra, inter = DEVICES[self.device]
@@ -135,9 +183,9 @@ class _Search:
         """``s`` derived from up to four traced settings of its group (or traced, when it is one of them)."""
         group = self.group_of.get(s)
         if group is None:
-            return self.traced(s)
+            return self.corner(s)
         micro_lo, micro_hi, k_lo, k_hi = group
-        corners = {(m, k): self.traced(_at(s, m, k)) for m in {micro_lo, micro_hi} for k in {k_lo, k_hi}}
+        corners = {(m, k): self.corner(_at(s, m, k)) for m in {micro_lo, micro_hi} for k in {k_lo, k_hi}}
         if (s.micro_batch, s.checkpoint_blocks) in corners:
             return corners[s.micro_batch, s.checkpoint_blocks]
 
@@ -178,15 +226,19 @@ def _at(s: FitSetting, micro: int, blocks: int, accumulating: bool | None = None
 
 
 # -- fit(): the settings of a model ----------------------------------------------------------------------------------
+def _blocks(model: nn.Module) -> nn.ModuleList:
+    """The model's blocks: the ``nn.ModuleList`` holding the most parameters (FSDP2's default units)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
 def checkpoint_first(model: nn.Module, n: int) -> nn.Module:
     """``model`` with the first ``n`` of its blocks (the entries of the ``nn.ModuleList`` holding the most
     parameters) recomputing their forward in backward (``torch.utils.checkpoint``, non-reentrant). Each block's
     ``forward`` is wrapped in place, so that the model's structure (its names, a tensor-parallel plan's paths) stays
     as it was."""
     if n:
-        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-        blocks = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
-        for block in list(blocks)[:n]:
+        for block in list(_blocks(model))[:n]:
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     return model
 
@@ -218,7 +270,7 @@ def fit(model_fn: Callable[[], nn.Module], batch_fn: Callable[[int], Any],
         max_grad_norm: float | None = None, headroom: float = HEADROOM, device: str = "auto",
         parallelize: Callable[[nn.Module, Any], Any] | None = None,
         fsdp_units: Callable[[nn.Module], list[nn.Module]] | None = None,
-        bucket_caps: Sequence[float | None] = (None,), verify: int = 3, **optimizer_kwargs: Any) -> FitResult:
+        bucket_caps: Sequence[float | None] = (None,), verify: int = 2, **optimizer_kwargs: Any) -> FitResult:
     """The settings of a training job that keep each device under ``memory``, ranked by estimated step time.
 
     Searched, where the world allows (``devices`` per node, ``nodes``): the layout (one device; DDP, FSDP2; HSDP
@@ -296,11 +348,12 @@ def fit(model_fn: Callable[[], nn.Module], batch_fn: Callable[[int], Any],
     def params_bytes(s: FitSetting) -> int:
         return n_params * (2 if s.param_dtype == "bfloat16" else 4) // shards.get(s.parallel, world)
 
-    def plan_for(s: FitSetting) -> dict[str, Any]:
+    def plan_for(s: FitSetting, depth: int | None = None) -> dict[str, Any]:
         return _plan_arguments(s, model_fn, batch_fn, loss_fn, states[s.state], parallelize, fsdp_units,
-                               max_grad_norm, optimizer_kwargs)
+                               max_grad_norm, optimizer_kwargs, depth)
+    # the blocks are the largest ModuleList's entries, which a shallow trace keeps the first of
     result = fit_settings(settings, plan_for, memory=memory, params_bytes=params_bytes, headroom=headroom,
-                          device=device, verify=verify)
+                          device=device, verify=verify, blocks=n_blocks if fsdp_units is None else None)
     result.skipped = skipped
     for c in result.candidates:
         c.call = _call(c.setting, states[c.setting.state], max_grad_norm, optimizer_kwargs)
@@ -340,10 +393,14 @@ def _fake_copies() -> Any:
 
 def _plan_arguments(s: FitSetting, model_fn: Callable[[], nn.Module], batch_fn: Callable[[int], Any],
                     loss_fn: Callable[..., torch.Tensor], cls: type, parallelize: Any, fsdp_units: Any,
-                    max_grad_norm: float | None, optimizer_kwargs: dict[str, Any]) -> dict[str, Any]:
+                    max_grad_norm: float | None, optimizer_kwargs: dict[str, Any], depth: int | None
+                    ) -> dict[str, Any]:
     def build() -> nn.Module:
         with _default_dtype(getattr(torch, s.param_dtype)):
-            return checkpoint_first(model_fn(), s.checkpoint_blocks)
+            model = model_fn()
+        if depth is not None:  # a shallow copy of the model: its first ``depth`` blocks
+            del _blocks(model)[depth:]
+        return checkpoint_first(model, s.checkpoint_blocks)
     out: dict[str, Any] = dict(model_fn=build, batch_fn=lambda: batch_fn(s.micro_batch), loss_fn=loss_fn,
                                optimizer_class=cls, parallel=s.parallel, world_size=s.world_size,
                                accumulation_steps=s.accumulation_steps, **optimizer_kwargs)

@@ -120,8 +120,10 @@ class FitResult:
 
     @property
     def smallest_peak_bytes(self) -> int:
-        """The least memory any candidate plans (its budget then is this over ``1 - headroom``)."""
-        return min(c.planned_peak_bytes for c in self.candidates)
+        """The least memory any candidate plans (its budget then is this over ``1 - headroom``); a bound (the
+        parameters and state alone) is not a plan, and counts only where nothing else was planned."""
+        planned = [c.planned_peak_bytes for c in self.candidates if c.planned_by != "bound"]
+        return min(planned or [c.planned_peak_bytes for c in self.candidates])
 
     def smallest_budget_bytes(self) -> int:
         return -(-self.smallest_peak_bytes * 100 // round(100 * (1 - self.headroom)))

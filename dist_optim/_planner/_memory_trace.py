@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dist_optim._torch_internals import TorchDispatchMode, tree_iter
@@ -79,6 +80,7 @@ class MemoryTrace(TorchDispatchMode):
         self._collective_buffers = collective_buffers
         self._workspaces = workspaces
         self._followed: list[tuple[torch.UntypedStorage, _Block, bool]] = []  # resized in place (CUDA or not)
+        self._source: Callable[[], Iterable[torch.Tensor]] | None = None  # where the followed tensors are listed
         self._blocks = WeakIdKeyDictionary()  # storage -> its _Block
         self._live: dict[int, _Block] = {}  # id(block) -> block, for the snapshot at the peak
         self.phase = "seed"  # the label new blocks get
@@ -91,6 +93,8 @@ class MemoryTrace(TorchDispatchMode):
         self.events = 0
         self.finished = False
         self.collective_bytes = 0  # the larger of each collective's input and output, summed (fit's cost)
+        self.count_flops = False  # fit's cost: the FLOPs of the operators traced, when asked
+        self.flops = 0
 
     # -- counting ----------------------------------------------------------------------------------------------
     def seed(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -149,15 +153,22 @@ class MemoryTrace(TorchDispatchMode):
             self.peak_blocks = [(b, b.nbytes) for b in live]
             self._peak_pending = False
 
-    def follow(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Re-read these tensors' storage sizes at every operator from now on: storages resized in place, which no
-        operator reports (FSDP2 allocates and frees its unsharded parameters so, between operators). Counted at
-        their size now."""
-        for t in tensors:
+    def follow(self, source: Callable[[], Iterable[torch.Tensor]]) -> None:
+        """Re-read the storage sizes of the tensors ``source()`` lists at every operator from now on: storages
+        resized in place, which no operator reports (FSDP2 allocates and frees its unsharded parameters so, between
+        operators). Counted at their size now. ``source`` is asked again before every collective: FSDP2 makes
+        those storages at a unit's first all-gather, in the first step."""
+        self._source = source
+        self._refresh()
+
+    def _refresh(self) -> None:
+        followed = {id(block) for _, block, _ in self._followed}
+        for t in self._source():
             st = _storage(t)
             if st is not None:
                 self._see(t)
-                self._followed.append((st, self._blocks[st], t.device.type == "cuda"))
+                if id(self._blocks[st]) not in followed:
+                    self._followed.append((st, self._blocks[st], t.device.type == "cuda"))
 
     def _reread(self) -> None:
         for st, block, cuda in self._followed:
@@ -188,6 +199,8 @@ class MemoryTrace(TorchDispatchMode):
         return id(block)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self._source is not None and func.namespace in _COLLECTIVES:
+            self._refresh()
         if self._followed:
             self._reread()
         if any(issubclass(t, _DTENSOR) for t in types):
@@ -201,6 +214,10 @@ class MemoryTrace(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func.namespace in _COLLECTIVES:
             self.collective_bytes += max(_nbytes(args), _nbytes(out))
+        if self.count_flops and func._overloadpacket in flop_registry:
+            # FlopCounterMode's own formulas, without its module tracker: its autograd hooks keep a checkpointed
+            # block's recomputed tensors alive (measured: a planned peak twice as large)
+            self.flops += flop_registry[func._overloadpacket](*args, **(kwargs or {}), out_val=out)
         for t in tree_iter(out):
             if isinstance(t, torch.Tensor):
                 self._see(t)

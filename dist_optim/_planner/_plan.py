@@ -10,9 +10,7 @@ plan's types are ``_step``'s; ``python -m dist_optim.plan`` is ``_cli``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import logging
 import warnings
 from collections.abc import Callable
@@ -20,7 +18,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from dist_optim._planner._fsdp2 import local
 from dist_optim._planner._guard import FakeCopies, named_operators
@@ -60,7 +57,7 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
                 loss_fn: Callable[[nn.Module, Any], torch.Tensor], optimizer_class: type[torch.optim.Optimizer],
                 optimizer_kwargs: dict[str, Any], engine_options: dict[str, Any],
                 autocast_dtype: torch.dtype | None, layout: Layout, mesh: Any, workspaces: Workspaces,
-                count: bool = False) -> tuple[LoopPlan, int, str]:
+                count: bool = False, first_step: bool = True) -> tuple[LoopPlan, int, str]:
     """One loop traced: its first step, then its warm step (planned, and with ``count`` its FLOPs and the bytes
     its collectives move)."""
     micro = engine_options.get("accumulation_steps", 1)
@@ -95,22 +92,20 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
         job = Job(model, loop, loss_fn, optimizer_class, optimizer_kwargs, engine)
         job.autocast = autocast_dtype
         first = [batch_fn() for _ in range(micro)]
-        # the first step creates the optimizer state: traced too, its peak planned when it is the larger
-        trace = MemoryTrace(layout.collective_buffers(), workspaces)
-        # without collections: tensors that reference cycles hold (DTensor's first dispatches make some) are freed
-        # when a collection happens to run, which made this peak vary from process to process; planned as if late
-        gc.collect()
-        gc.disable()
-        try:
+        # the first step creates the optimizer state: traced too (unless only a warm step is asked for), its peak
+        # planned when it is the larger
+        first_peak = 0
+        if first_step:
+            trace = MemoryTrace(layout.collective_buffers(), workspaces)
             with trace:
                 if layout.resizes:
-                    trace.follow(fsdp_resized_tensors(model))
+                    trace.follow(lambda: fsdp_resized_tensors(model))
                 trace.seed([local(t) for t in job.resident()] + _tensors(first))
                 job.step(first)
                 trace.finish()
-        finally:
-            gc.enable()
-        first_peak = trace.peak
+            first_peak = trace.peak
+        else:
+            job.step(first)
         del first
         batches = [batch_fn() for _ in range(micro)]
         extra: list[torch.Tensor] = []
@@ -123,10 +118,10 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
         job.phase = phase
         resident = [local(t) for t in job.resident()] + extra
         trace = MemoryTrace(layout.collective_buffers(), workspaces)
-        flops = FlopCounterMode(display=False) if count else contextlib.nullcontext()
-        with flops, trace:
+        trace.count_flops = count
+        with trace:
             if layout.resizes:  # FSDP2's unsharded parameters, allocated and freed by resizing their storages
-                trace.follow(fsdp_resized_tensors(model))
+                trace.follow(lambda: fsdp_resized_tensors(model))
             trace.seed(resident + _tensors(batches))
             for t in extra:  # DDP's buckets hold gradients
                 trace.block_of(t).is_grad = True
@@ -139,7 +134,7 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
         plan = loop_plan(loop, trace, start, model, job)
         plan.first_step_peak_bytes = first_peak
         if count:
-            plan.counts = {"flops": flops.get_total_flops(), "collective_bytes": trace.collective_bytes}
+            plan.counts = {"flops": trace.flops, "collective_bytes": trace.collective_bytes}
         return plan, n_params, device
 
 
@@ -275,7 +270,8 @@ def plan(
 def _trace(loops: tuple[str, ...], model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any],
            loss_fn: Callable[[nn.Module, Any], torch.Tensor], traced: type[torch.optim.Optimizer],
            optimizer_kwargs: dict[str, Any], engine: dict[str, Any], autocast_dtype: torch.dtype | None,
-           layout: Layout, count: bool = False) -> tuple[dict[str, LoopPlan], int, str, Workspaces]:
+           layout: Layout, count: bool = False, first_step: bool = True
+           ) -> tuple[dict[str, LoopPlan], int, str, Workspaces]:
     layout.check(engine)
     plans = {}
     workspaces = Workspaces()  # calibrated once for both loops
@@ -283,7 +279,8 @@ def _trace(loops: tuple[str, ...], model_fn: Callable[[], nn.Module], batch_fn: 
         for loop in loops:
             logger.info("tracing the %s loop on fake tensors, %s", loop.replace("_", " "), layout.describe())
             plans[loop], n_params, device = _trace_loop(loop, model_fn, batch_fn, loss_fn, traced, optimizer_kwargs,
-                                                        engine, autocast_dtype, layout, mesh, workspaces, count)
+                                                        engine, autocast_dtype, layout, mesh, workspaces, count,
+                                                        first_step)
     return plans, n_params, device, workspaces
 
 
@@ -293,15 +290,15 @@ def trace_in_backward(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], 
                       autocast_dtype: torch.dtype | None = None, world_size: int = 1, parallel: str = "none",
                       fsdp_units: Callable[[nn.Module], list[nn.Module]] | None = None, tp_size: int | None = None,
                       shard_size: int | None = None, parallelize: Callable[[nn.Module, Any], Any] | None = None,
-                      backend: str | None = None, **kwargs: Any) -> tuple[LoopPlan, int]:
+                      backend: str | None = None, first_step: bool = True, **kwargs: Any) -> tuple[LoopPlan, int]:
     """The in-backward loop alone, as :func:`plan` traces it (not ``"pp"``), with the warm step's FLOPs and
-    collective bytes (``LoopPlan.counts``): fit's one trace of a candidate. Returns the plan and this rank's
-    parameters."""
+    collective bytes (``LoopPlan.counts``): fit's one trace of a candidate (``first_step=False``: the first step
+    run, not traced). Returns the plan and this rank's parameters."""
     engine, optimizer_kwargs = _engine_options(kwargs)
     traced = optimizer_class if steps_on_fake(optimizer_class) else stand_in(optimizer_class, optimizer_kwargs)
     layout = Layout(parallel, world_size, None, False, fsdp_units, tp_size, shard_size, parallelize, backend)
     plans, n_params, _, _ = _trace(("in_backward",), model_fn, batch_fn, loss_fn, traced, optimizer_kwargs, engine,
-                                   autocast_dtype, layout, count=True)
+                                   autocast_dtype, layout, count=True, first_step=first_step)
     return plans["in_backward"], n_params
 
 

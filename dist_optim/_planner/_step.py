@@ -112,26 +112,43 @@ class MemoryPlan:
         return "\n".join(lines)
 
     def plot(self, path: str) -> None:
-        """A PNG of both loops' bytes alive through the warm step (needs matplotlib)."""
+        """A PNG of both loops' bytes alive through the warm step, on one scale from 0, and below it the standard
+        loop's bytes less the in-backward loop's at each point of the step (where the two curves coincide, the
+        difference still shows) (needs matplotlib)."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(9, 4))
-        for lp in self.loops():
+        fig, (ax, diff) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True, height_ratios=(3, 1.2))
+        curves = []
+        for lp, style in zip(self.loops(), ({"ls": "-", "marker": "o"}, {"ls": "--", "marker": "x"})):
             n = max(1, lp.timeline[-1][0])
-            ax.plot([e / n for e, _, _ in lp.timeline], [b / MiB for _, _, b in lp.timeline],
-                    label=f"{lp.loop.replace('_', ' ')}: peak {lp.peak_bytes / MiB:.1f} MiB", lw=1)
+            xs, ys = [e / n for e, _, _ in lp.timeline], [b / MiB for _, _, b in lp.timeline]
+            curves.append((xs, ys))
+            ax.plot(xs, ys, lw=1, markevery=max(1, len(xs) // 25), ms=4, **style,
+                    label=f"{lp.loop.replace('_', ' ')}: peak {lp.peak_bytes / MiB:.1f} MiB")
         ax.set_xlim(left=0)  # from 0, so that heights and the saving read as proportions
         ax.set_ylim(bottom=0)
-        ax.set_xlabel("progress through the warm step (allocation events)")
         ax.set_ylabel("MiB alive (planned)")
         ax.set_title(f"planned memory, one step; saving {self.saving_bytes / MiB:.1f} MiB")
         ax.legend()
+        grid = [i / 400 for i in range(401)]
+        diff.plot(grid, [_at(curves[0], x) - _at(curves[1], x) for x in grid], lw=1, color="tab:green")
+        diff.axhline(0, color="k", lw=0.5)
+        diff.set_xlabel("progress through the warm step (allocation events, each loop's own)")
+        diff.set_ylabel("standard - in backward\n(MiB)")
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
+
+
+def _at(curve: tuple[list[float], list[float]], x: float) -> float:
+    """The step function ``curve`` (event positions, values) at ``x``: the last value at or before it."""
+    import bisect
+
+    xs, ys = curve
+    return ys[max(0, bisect.bisect_right(xs, x) - 1)]
 
 
 # -- the step, the same for planning and for measuring --------------------------------------------------------------
