@@ -71,9 +71,11 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
         with FakeCopies():  # copy.deepcopy in the builder copies into this fake mode
             model = model_fn()
         built.append(model)
-        trace: MemoryTrace  # the step's being traced, for seen()
+        trace: MemoryTrace | None = None  # the step's being traced, for seen(); none for an untraced first step
 
         def seen(p: torch.Tensor) -> None:
+            if trace is None:
+                return
             block = trace.block_of(local(p.grad))
             if block is not None:
                 block.is_grad = True
