@@ -4,8 +4,11 @@ ranks under FSDP2 and DDP) checked against the standard loop and against an unin
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.util
+import io
 import json
+import logging
 import math
 import os
 import pathlib
@@ -15,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 
@@ -35,9 +39,39 @@ def _run(cmd: list[str], expect: int = 0) -> subprocess.CompletedProcess:
     return out
 
 
-def _train(tmp: pathlib.Path, run: str, *args: str, nproc: int = 1, expect: int = 0) -> subprocess.CompletedProcess:
+def _main(argv: list[str], expect: int = 0) -> subprocess.CompletedProcess:
+    """``python -m launch.train ARGV`` as ``train.main(ARGV)`` in this process: the same run without the seconds a new
+    interpreter spends importing torch. Its stderr as the command's would hold it: the errors and warnings printed,
+    the trainer's log, and Python's warnings."""
+    err = io.StringIO()
+    handler = logging.StreamHandler(err)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger("train")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        with contextlib.redirect_stderr(err), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            code = train.main(argv)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    stderr = err.getvalue() + "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno)
+                                      for w in caught)
+    assert code == expect, f"launch.train {' '.join(argv)}\nrc {code}\n{stderr[-4000:]}"
+    return subprocess.CompletedProcess(argv, code, "", stderr)
+
+
+def _train(tmp: pathlib.Path, run: str, *args: str, nproc: int = 1, expect: int = 0, own_process: bool = False
+           ) -> subprocess.CompletedProcess:
+    """A run of the trainer: in this process on one (:func:`_main`), or a process of its own (``own_process``: a run
+    whose compiled kernels must not depend on what this process compiled before), or under torchrun on ``nproc``."""
+    argv = [*TINY, "--run-dir", str(tmp / run), *args]
+    if nproc == 1 and not own_process:
+        return _main(argv, expect)
     launcher = [sys.executable] if nproc == 1 else [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc)]
-    return _run([*launcher, *TRAIN, *TINY, "--run-dir", str(tmp / run), *args], expect)
+    return _run([*launcher, *TRAIN, *argv], expect)
 
 
 def _losses(tmp: pathlib.Path, run: str) -> list[float]:
@@ -156,13 +190,18 @@ def test_missing_optimizer_package_is_one_line_naming_the_extra(tmp_path, capsys
 
 
 @pytest.mark.parametrize(("optimizer", "module"), [("adamw8bit", "torchao.optim"), ("lion", "pytorch_optimizer")])
-def test_optimizer_by_name_compares_bitwise_and_reports_bytes_per_param(optimizer, module, tmp_path):
+def test_optimizer_by_name_compares_bitwise_reports_bytes_per_param_and_resumes_exactly(optimizer, module, tmp_path):
     """The class the name maps to, in both loops: bitwise equal losses in one process (torchao's AdamW8bit and
     pytorch-optimizer's Lion step each tensor on its own: docs/optimizers.md), and bytes per parameter in the
     report: fewer than AdamW's 12 for the parameters and states (8-bit states: 2 bytes and scales where a tensor
-    has 4096 elements or more, 32-bit below; Lion: one 4-byte state)."""
+    has 4096 elements or more, 32-bit below; Lion: one 4-byte state). A run stopped after 2 steps and resumed gives
+    the losses of the run that never stopped, bitwise (torchao's quantised states go through dist_optim.checkpoint:
+    codes and scales, rebuilt as the same class)."""
     pytest.importorskip(module)
-    _train(tmp_path, "cmp", "--optimizer", optimizer, "--compare")
+    # torchao compiles its step: dynamo's recompile limit, reached in this process, would run it eagerly; each of
+    # its runs compiles afresh in a process of its own
+    own = module == "torchao.optim"
+    _train(tmp_path, "cmp", "--optimizer", optimizer, "--compare", own_process=own)
     report = json.loads((tmp_path / "cmp" / "compare" / "report.json").read_text())
     assert report["config"]["optimizer"] == optimizer
     assert report["losses_bitwise_equal"] and report["max_abs_loss_diff"] == 0.0
@@ -175,17 +214,10 @@ def test_optimizer_by_name_compares_bitwise_and_reports_bytes_per_param(optimize
         assert report["bytes_per_param"][mode][0] > held[mode][0]
     markdown = (tmp_path / "cmp" / "compare" / "report.md").read_text()
     assert f"## Bytes per parameter (`--optimizer {optimizer}`)" in markdown
-
-
-def test_quantised_states_resume_exactly(tmp_path):
-    """torchao's quantised states go through dist_optim.checkpoint (codes and scales, rebuilt as the same class): a
-    run stopped after 2 steps and resumed gives the losses of the run that never stopped, bitwise."""
-    pytest.importorskip("torchao.optim")
-    opts = ("--optimizer", "adamw8bit", "--steps", "4")
-    _train(tmp_path, "full", *opts)
-    _train(tmp_path, "part", *opts, "--stop-after", "2", "--checkpoint-every", "2")
-    _train(tmp_path, "part", *opts, "--resume", "latest")
-    assert _losses(tmp_path, "part") == _losses(tmp_path, "full")
+    _train(tmp_path, "part", "--optimizer", optimizer, "--stop-after", "2", "--checkpoint-every", "2",
+           own_process=own)
+    _train(tmp_path, "part", "--optimizer", optimizer, "--resume", "latest", own_process=own)
+    assert _losses(tmp_path, "part") == report["losses"]["in_backward"]
 
 
 def test_muon_for_the_matrices_compares_bitwise_with_clipping_and_resumes_exactly(tmp_path):
@@ -495,7 +527,7 @@ def test_resume_without_the_shape_flags_reads_them_from_the_run(tmp_path):
     _train(tmp_path, "part", "--stop-after", "2")
     shape = {"--n-layer", "--n-head", "--n-embd", "--block-size"}
     rest = [a for i, a in enumerate(TINY) if a not in shape and (i == 0 or TINY[i - 1] not in shape)]
-    out = _run([sys.executable, *TRAIN, *rest, "--run-dir", str(tmp_path / "part"), "--resume", "latest"])
+    out = _main([*rest, "--run-dir", str(tmp_path / "part"), "--resume", "latest"])
     assert "resumed from" in out.stderr and "options changed" not in out.stderr
     assert _losses(tmp_path, "part") == _losses(tmp_path, "full")
     out = _train(tmp_path, "part", "--resume", "latest", "--n-layer", "3", expect=2)  # a shape given is compared
