@@ -1,6 +1,8 @@
 """dist_optim: the optimizer step inside the backward pass, exactly like the standard loop, with less memory."""
 
 from dist_optim._factory import in_backward
+from dist_optim._planner._fit import fit, fit_settings
+from dist_optim._planner._fit_types import FitCandidate, FitResult, FitSetting
 from dist_optim._planner._pipeline import PipelinePlan
 from dist_optim._planner._plan import LoopPlan, MemoryPlan, plan
 from dist_optim.averaging import average_in_backward
@@ -14,6 +16,9 @@ from dist_optim.parallel._seed_pair import (
 from dist_optim.pipeline import pipeline_optimizers
 
 __all__ = [
+    "FitCandidate",
+    "FitResult",
+    "FitSetting",
     "InBackwardOptimizer",
     "InBackwardOptions",
     "LoopPlan",
@@ -22,6 +27,8 @@ __all__ = [
     "StepStats",
     "apply_optimizer_in_backward",
     "average_in_backward",
+    "fit",
+    "fit_settings",
     "get_in_backward_optimizers",
     "in_backward",
     "pipeline_optimizers",

@@ -130,6 +130,7 @@ def plan_arguments(cfg: TrainConfig, job: PlannedJob) -> dict[str, Any]:
                 optimizer_class=optimizer_class(cfg.optimizer), bucket_cap_mb=cfg.bucket_cap_mb,
                 accumulation_steps=1 if job.stages else job.micro_batches, max_grad_norm=cfg.max_grad_norm,
                 clip_mode=cfg.clip_mode, track_grad_norm=cfg.track_grad_norm, **layout,
+                autocast_dtype=None if cfg.autocast is None else getattr(torch, cfg.autocast),
                 **optimizer_kwargs(cfg.optimizer, cfg, torch.device("cpu")))
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .gpt import GPT, loss_fn
+from .gpt import GPT, loss_fn, run_block
 from .runtime import LaunchError, Runtime
 
 __all__ = ["PIPELINED", "GPTStage", "Pipeline", "build_pipeline", "check_pipeline", "gpt_stage", "run_schedule",
@@ -34,6 +34,7 @@ class GPTStage(nn.Module):
     def __init__(self, gpt: GPT, lo: int, hi: int, first: bool, last: bool) -> None:
         super().__init__()
         self.first, self.last = first, last
+        self.checkpoint_blocks = gpt.checkpoint_blocks  # counted in the whole model's blocks
         if first:
             self.wte, self.wpe = gpt.wte, gpt.wpe
         # a ModuleDict keyed by the block's index in the whole model: the names stay "blocks.{i}...."
@@ -45,8 +46,8 @@ class GPTStage(nn.Module):
         if self.first:
             pos = torch.arange(x.shape[1], device=x.device)
             x = self.wte(x) + self.wpe(pos)
-        for block in self.blocks.values():
-            x = block(x)
+        for i, block in self.blocks.items():
+            x = run_block(block, x, int(i) < self.checkpoint_blocks)
         return self.head(self.ln_f(x)) if self.last else x
 
 

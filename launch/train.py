@@ -109,6 +109,7 @@ from dist_optim.checkpoint import CheckpointError, CheckpointManager
 
 from .compare import compare
 from .corpus import Corpus
+from .fit import fit_job
 from .memory_plan import plan_memory
 from .optimizers import optimizer_class
 from .pipeline import PIPELINED, check_pipeline, stage_group, stage_of
@@ -230,10 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     run."""
     cfg = parse_config(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if cfg.plan or cfg.nproc is not None:  # no process group, no corpus: fake tensors of the job's shapes
+    if cfg.plan or cfg.fit or cfg.nproc is not None:  # no process group, no corpus: fake tensors of the job's shapes
         if int(os.environ.get("RANK", "0")):
             return 0  # under torchrun: rank 0 plans the job (or refuses it); the others have nothing to do
         try:
+            if cfg.fit:
+                return fit_job(cfg)
             if not cfg.plan:
                 raise LaunchError(f"--nproc {cfg.nproc} sizes the job --plan plans; to run on {cfg.nproc} "
                                   f"processes, launch with torchrun --nproc-per-node {cfg.nproc}")

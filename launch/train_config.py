@@ -25,11 +25,11 @@ from .optimizers import OPTIMIZERS
 __all__ = ["MODEL_SHAPE", "PROCESS_OPTIONS", "TrainConfig", "parse_config"]
 
 # the options a checkpoint's tensors are shaped by: a resumed run cannot change them
-MODEL_SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "tie_weights")
+MODEL_SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "tie_weights", "param_dtype")
 # options of one process run, not of the training: a resume may change them without notice
 PROCESS_OPTIONS = ("stop_after", "device", "threads", "parallel", "pp_stages", "tp_size", "run_dir", "log_every",
                    "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "compare", "profile_step", "plan",
-                   "nproc", "tensorboard", "wandb")
+                   "nproc", "tensorboard", "wandb", "fit", "memory", "allow", "fit_json")
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -44,6 +44,16 @@ class TrainConfig:
     n_embd: int = _opt(128, "embedding width (a multiple of --n-head)")
     block_size: int = _opt(128, "context length in bytes")
     tie_weights: bool = _opt(True, "share the embedding matrix with the output head")
+    param_dtype: str = _opt("float32", "the parameters' dtype, and so the gradients' and the optimizer state's "
+                                       "(bfloat16: half the bytes, bf16 arithmetic throughout)",
+                            ("float32", "bfloat16"))
+    # memory
+    checkpoint_blocks: int = _opt(0, "recompute the forward of the first N blocks in backward instead of keeping "
+                                     "their activations (torch.utils.checkpoint, non-reentrant: the same values, "
+                                     "for one more forward of those blocks); 0: none")
+    autocast: str | None = _opt(None, "run the forward and the loss under torch.autocast with this dtype (mixed "
+                                      "precision: the parameters, gradients and state keep --param-dtype); not "
+                                      "with --parallel pp, pp+fsdp2", ("bfloat16",))
     # data
     corpus_mb: float = _opt(2.0, "MiB of the Python stdlib's .py sources to train on (a fixed sorted order, then capped)")
     batch_size: int = _opt(16, "global batch in sequences per optimizer step, split over ranks and micro-batches; "
@@ -121,8 +131,17 @@ class TrainConfig:
                              "(--parallel over --nproc or torchrun's processes; under torchrun rank 0 plans, the "
                              "others exit); prints the per-rank peaks and writes RUN_DIR/plan.json and plan.png "
                              "(docs/planning.md)")
-    nproc: int | None = _opt(None, "--plan: the number of processes of the job planned, without torchrun (an "
+    nproc: int | None = _opt(None, "--plan, --fit: the number of processes of the job planned, without torchrun (an "
                                    "8-process job planned on a laptop); none = torchrun's WORLD_SIZE, else 1")
+    fit: bool = _opt(False, "search the settings that fit --memory per process instead of running (layout, "
+                            "--accumulation-steps, --checkpoint-blocks, --clip-mode; with --allow dtypes and low-bit "
+                            "states), each planned as --plan plans it; prints the best few and the command of the "
+                            "best; exit code 3 when nothing fits (docs/planning.md, Make it fit)")
+    memory: str | None = _opt(None, "--fit: the memory budget per process, e.g. 80GiB, 512MiB")
+    allow: str = _opt("", "--fit: settings that change the job's arithmetic, comma-separated: bf16-params, "
+                          "autocast, low-bit-states (default: only settings bitwise equal to this job's own)")
+    fit_json: str | None = _opt(None, "--fit: write the search into this JSON file: fits, budget_bytes, "
+                                      "planned_peak_bytes, argv (the best's flags) and every candidate")
 
     def __post_init__(self) -> None:
         checks = [
@@ -130,6 +149,8 @@ class TrainConfig:
             (self.n_head >= 1 and self.n_embd % self.n_head == 0,
              f"n_embd must be a multiple of n_head, got {self.n_embd} and {self.n_head}"),
             (self.block_size >= 2, f"block_size must be >= 2, got {self.block_size!r}"),
+            (0 <= self.checkpoint_blocks <= self.n_layer,
+             f"checkpoint_blocks must be in [0, n_layer={self.n_layer}], got {self.checkpoint_blocks!r}"),
             (0 < self.corpus_mb < math.inf, f"corpus_mb must be > 0 and finite, got {self.corpus_mb!r}"),
             (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size!r}"),
             (self.accumulation_steps >= 1, f"accumulation_steps must be >= 1, got {self.accumulation_steps!r}"),

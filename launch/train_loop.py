@@ -9,11 +9,13 @@ same order and the class steps each tensor on its own (checked by ``--compare``)
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import math
 import pathlib
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -86,6 +88,10 @@ class Job:
             self.dp_rank, self.dp_size = batch_split(cfg, rt, parallel, tp_size)
         self.cfg, self.rt, self.corpus, self.parallel, self.mode = cfg, rt, corpus, parallel, mode
         check_parallel(cfg.optimizer, parallel)
+        if cfg.autocast is not None and parallel in PIPELINED:
+            raise LaunchError(f"--autocast {cfg.autocast} with --parallel {parallel}: the pipeline's schedule runs the "
+                              "stages' forwards itself, outside the trainer's autocast; drop --autocast or use "
+                              "--param-dtype bfloat16")
         torch.manual_seed(cfg.seed)
         model = from_config(cfg.to_dict(), VOCAB_SIZE)
         self.n_params = sum(p.numel() for p in model.parameters())
@@ -180,7 +186,7 @@ class Job:
             holds = self.parallel == "tp" and self.mode == "in_backward" and not last
             held = self.opt.no_step() if holds else contextlib.nullcontext()
             with sync_context(self.model, self.parallel, last), held:
-                with record_function(PHASE + "forward"):
+                with record_function(PHASE + "forward"), self._autocast():
                     loss = loss_fn(self.model(x), y) / len(micro)
                 with record_function(PHASE + "backward"):
                     if self.mode == "in_backward":
@@ -210,6 +216,11 @@ class Job:
                        map(list, zip(*self.rt.all_gather((int(grad_bytes), _memory_peak(self.rt.device))))))),
         )
 
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.cfg.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.rt.device.type, dtype=getattr(torch, self.cfg.autocast))
+
     def _clip_standard(self) -> torch.Tensor | None:
         """The standard loop's counterpart of the in-backward clipping options (docs/clipping.md), same arithmetic.
         Returns the pre-clipping global norm where in-backward measures one."""
@@ -237,10 +248,25 @@ def _grad_bytes(model: nn.Module) -> int:
     return sum((g.to_local() if hasattr(g, "to_local") else g).nbytes for g in grads)
 
 
+@functools.cache
+def _heap_shim() -> Any:
+    """benchmarks/heap_shim.c's peak, when it is preloaded (LD_PRELOAD) into this process; else None."""
+    try:
+        peak = ctypes.CDLL(None).shim_peak
+    except (AttributeError, OSError):
+        return None
+    peak.restype = ctypes.c_long
+    return peak
+
+
 def _memory_peak(device: torch.device) -> int:
-    """CUDA: the allocator's peak since the step began; CPU: the process's resident high-water mark (VmHWM)."""
+    """CUDA: the allocator's peak since the step began; CPU: with benchmarks/heap_shim.c preloaded, the tensor
+    bytes of every thread at their peak since the process began (the run's peak so far), else the process's
+    resident high-water mark (VmHWM)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    if _heap_shim() is not None:
+        return int(_heap_shim()())
     try:
         status = pathlib.Path("/proc/self/status").read_text()
     except OSError:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dist_optim._planner._fit_cli import fit_options, run_fit, write_json
 from dist_optim._planner._fsdp2 import BACKENDS
 from dist_optim._planner._layouts import NOT_PLANNED, PARALLEL
 from dist_optim._planner._pipeline import schedule_class
@@ -214,9 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallelize", metavar="MODULE:CALLABLE", default=None,
                    help="--parallel tp, fsdp2+tp: parallelize(model, tp_mesh) applies the model's tensor-parallel "
                         f"plan (default for --model {GPT_BUILDERS[0]}: the trainer's, {GPT_TP_PLAN})")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG of both loops' memory timelines (needs matplotlib: pip install 'dist_optim[job]')")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                   help="the plan (--fit: the search) as JSON: on stdout instead of the table, or into FILE")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of both loops' memory timelines (--fit: each "
+                   "candidate's peak against its cost) (needs matplotlib: pip install 'dist_optim[job]')")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr while planning")
+    fit_options(p)
     return p
 
 
@@ -229,9 +233,19 @@ def main(argv: Sequence[str] | None = None) -> MemoryPlan:
         raise
 
 
-def _main(argv: Sequence[str] | None) -> MemoryPlan:
+def _main(argv: Sequence[str] | None) -> Any:
     args = build_parser().parse_args(argv)
     dtype = getattr(torch, args.dtype)
+    if args.fit:
+        model_fn, loss_fn, vocab, positions = _model(args, dtype)
+        parallelize = args.parallelize or (GPT_TP_PLAN if args.model in GPT_BUILDERS else None)
+        try:
+            return run_fit(args, model_fn, loss_fn, vocab, _seq_len(args.seq_len, positions),
+                           _class(args.optimizer, "--optimizer"),
+                           None if parallelize is None else _class(parallelize, "--parallelize"),
+                           _progress(args.quiet))
+        except (ValueError, NotImplementedError) as e:
+            raise Refused(" ".join(str(e).split())) from e
     pipeline = _pipeline_options(args)
     if args.parallel not in PARALLEL:  # refused before anything is built
         raise Refused(f"--parallel {args.parallel}: not planned ({NOT_PLANNED[args.parallel]}); planned: "
@@ -270,7 +284,7 @@ def _main(argv: Sequence[str] | None) -> MemoryPlan:
     result.options.update(batch_size=args.batch_size, seq_len=seq_len, dtype=args.dtype,
                           activation_checkpointing=args.activation_checkpointing,
                           model=args.hf_config or args.model)
-    sys.stdout.write((json.dumps(result.to_dict(), indent=2) if args.json else result.table()) + "\n")
+    write_json(args.json, result.to_dict(), result.table())
     if args.plot:
         _plot(result, args.plot)
     return result

@@ -50,6 +50,13 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+_COLLECTIVES = ("c10d", "_c10d_functional")  # the operators' namespaces of torch.distributed's collectives
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_iter(tree) if isinstance(t, torch.Tensor))
+
+
 def _rounded(nbytes: int) -> int:
     """A CUDA block's bytes: the caching allocator's smallest block and rounding (as torch's MemTracker)."""
     return -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK
@@ -83,6 +90,7 @@ class MemoryTrace(TorchDispatchMode):
         self.timeline: list[tuple[int, str, int]] = [(0, "seed", 0)]
         self.events = 0
         self.finished = False
+        self.collective_bytes = 0  # the larger of each collective's input and output, summed (fit's cost)
 
     # -- counting ----------------------------------------------------------------------------------------------
     def seed(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -135,7 +143,10 @@ class MemoryTrace(TorchDispatchMode):
     def _settle_peak(self) -> None:
         # the blocks at the peak are copied once, when the total first falls from it (or at the end)
         if self._peak_pending:
-            self.peak_blocks = [(b, b.nbytes) for b in self._live.values()]  # the sizes then: a resize changes them
+            # the sizes then: a resize changes them. A snapshot first (copied in C, no Python code runs): a
+            # collection during the loop may run a storage's finalizer, which removes its block from _live
+            live = tuple(self._live.values())
+            self.peak_blocks = [(b, b.nbytes) for b in live]
             self._peak_pending = False
 
     def follow(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -188,6 +199,8 @@ class MemoryTrace(TorchDispatchMode):
         inside = self._workspaces(func, args, kwargs or {}) if self._workspaces is not None else 0
         workspace = self._transient(inside, workspace=True) if inside else None
         out = func(*args, **(kwargs or {}))
+        if func.namespace in _COLLECTIVES:
+            self.collective_bytes += max(_nbytes(args), _nbytes(out))
         for t in tree_iter(out):
             if isinstance(t, torch.Tensor):
                 self._see(t)

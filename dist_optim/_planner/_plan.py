@@ -10,7 +10,9 @@ plan's types are ``_step``'s; ``python -m dist_optim.plan`` is ``_cli``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import logging
 import warnings
 from collections.abc import Callable
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from dist_optim._planner._fsdp2 import local
 from dist_optim._planner._guard import FakeCopies, named_operators
@@ -56,18 +59,22 @@ PLANNED_OPTIONS = ("bucket_cap_mb", "per_parameter", "accumulation_steps", "max_
 def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any],
                 loss_fn: Callable[[nn.Module, Any], torch.Tensor], optimizer_class: type[torch.optim.Optimizer],
                 optimizer_kwargs: dict[str, Any], engine_options: dict[str, Any],
-                autocast_dtype: torch.dtype | None, layout: Layout, mesh: Any, workspaces: Workspaces
-                ) -> tuple[LoopPlan, int, str]:
+                autocast_dtype: torch.dtype | None, layout: Layout, mesh: Any, workspaces: Workspaces,
+                count: bool = False) -> tuple[LoopPlan, int, str]:
+    """One loop traced: its first step, then its warm step (planned, and with ``count`` its FLOPs and the bytes
+    its collectives move)."""
     micro = engine_options.get("accumulation_steps", 1)
     built: list[nn.Module] = []  # the model, for naming the module of an operator that fails
     with FakeTensorMode(), layout.inside_fake_mode(), named_operators(built), warnings.catch_warnings():
         # the engine compares gradients' storage addresses, which fake tensors do not have (0, and a warning):
         # only FSDP2's shared reduce-scatter buffers depend on it
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        # the plan's own figures say what a setting holding every gradient costs (the saving, the gradients)
+        warnings.filterwarnings("ignore", message="InBackwardOptimizer holds every gradient")
         with FakeCopies():  # copy.deepcopy in the builder copies into this fake mode
             model = model_fn()
         built.append(model)
-        trace = MemoryTrace(layout.collective_buffers(), workspaces)
+        trace: MemoryTrace  # the step's being traced, for seen()
 
         def seen(p: torch.Tensor) -> None:
             block = trace.block_of(local(p.grad))
@@ -87,7 +94,24 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
         engine = {**engine_options, **(layout.engine_options() if loop == "in_backward" else {})}
         job = Job(model, loop, loss_fn, optimizer_class, optimizer_kwargs, engine)
         job.autocast = autocast_dtype
-        job.step([batch_fn() for _ in range(micro)])  # the first step creates the optimizer state
+        first = [batch_fn() for _ in range(micro)]
+        # the first step creates the optimizer state: traced too, its peak planned when it is the larger
+        trace = MemoryTrace(layout.collective_buffers(), workspaces)
+        # without collections: tensors that reference cycles hold (DTensor's first dispatches make some) are freed
+        # when a collection happens to run, which made this peak vary from process to process; planned as if late
+        gc.collect()
+        gc.disable()
+        try:
+            with trace:
+                if layout.resizes:
+                    trace.follow(fsdp_resized_tensors(model))
+                trace.seed([local(t) for t in job.resident()] + _tensors(first))
+                job.step(first)
+                trace.finish()
+        finally:
+            gc.enable()
+        first_peak = trace.peak
+        del first
         batches = [batch_fn() for _ in range(micro)]
         extra: list[torch.Tensor] = []
         if hasattr(model, "bucket_buffers"):  # DDP rebuilds its buckets at the next forward: before the trace
@@ -98,18 +122,29 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
             trace.phase = name
         job.phase = phase
         resident = [local(t) for t in job.resident()] + extra
-        with trace:
+        trace = MemoryTrace(layout.collective_buffers(), workspaces)
+        flops = FlopCounterMode(display=False) if count else contextlib.nullcontext()
+        with flops, trace:
             if layout.resizes:  # FSDP2's unsharded parameters, allocated and freed by resizing their storages
                 trace.follow(fsdp_resized_tensors(model))
-            trace.seed(resident + [t for t in tree_leaves(batches) if isinstance(t, torch.Tensor)])
+            trace.seed(resident + _tensors(batches))
             for t in extra:  # DDP's buckets hold gradients
                 trace.block_of(t).is_grad = True
             start = trace.total
             trace.phase = "forward"
             job.step(batches)
             trace.finish()
+        job.phase = lambda name: None
         device = next(model.parameters()).device.type
-        return loop_plan(loop, trace, start, model, job), n_params, device
+        plan = loop_plan(loop, trace, start, model, job)
+        plan.first_step_peak_bytes = first_peak
+        if count:
+            plan.counts = {"flops": flops.get_total_flops(), "collective_bytes": trace.collective_bytes}
+        return plan, n_params, device
+
+
+def _tensors(batches: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(batches) if isinstance(t, torch.Tensor)]
 
 
 def plan(
@@ -225,15 +260,8 @@ def plan(
         return p
     layout = Layout(parallel, world_size, ddp_bucket_cap_mb, gradient_as_bucket_view, fsdp_units, tp_size, shard_size,
                     parallelize, backend)
-    layout.check(engine)
-    plans = {}
-    workspaces = Workspaces()  # calibrated once for both loops
-    with layout.group() as mesh:
-        for loop in LOOPS:
-            logger.info("tracing the %s loop on fake tensors, %s", loop.replace("_", " "), layout.describe())
-            plans[loop], n_params, device = _trace_loop(loop, model_fn, batch_fn, loss_fn, traced,
-                                                        optimizer_kwargs, engine, autocast_dtype, layout, mesh,
-                                                        workspaces)
+    plans, n_params, device, workspaces = _trace(LOOPS, model_fn, batch_fn, loss_fn, traced, optimizer_kwargs, engine,
+                                                 autocast_dtype, layout)
     if parallel != "none" and backend is None:  # as the collectives chose it: by the tensors' device
         layout = dataclasses.replace(layout, backend="nccl" if device == "cuda" else "gloo")
     options = {**engine, **layout.recorded(),
@@ -242,6 +270,39 @@ def plan(
                "optimizer_kwargs": {k: v for k, v in optimizer_kwargs.items() if isinstance(v, (int, float, str))}}
     return MemoryPlan(plans["standard"], plans["in_backward"], n_params, options,
                       NOT_SEEN + layout.not_seen() + _not_seen(optimizer_class, traced) + workspaces.said())
+
+
+def _trace(loops: tuple[str, ...], model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any],
+           loss_fn: Callable[[nn.Module, Any], torch.Tensor], traced: type[torch.optim.Optimizer],
+           optimizer_kwargs: dict[str, Any], engine: dict[str, Any], autocast_dtype: torch.dtype | None,
+           layout: Layout, count: bool = False) -> tuple[dict[str, LoopPlan], int, str, Workspaces]:
+    layout.check(engine)
+    plans = {}
+    workspaces = Workspaces()  # calibrated once for both loops
+    with layout.group() as mesh:
+        for loop in loops:
+            logger.info("tracing the %s loop on fake tensors, %s", loop.replace("_", " "), layout.describe())
+            plans[loop], n_params, device = _trace_loop(loop, model_fn, batch_fn, loss_fn, traced, optimizer_kwargs,
+                                                        engine, autocast_dtype, layout, mesh, workspaces, count)
+    return plans, n_params, device, workspaces
+
+
+def trace_in_backward(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any],
+                      loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+                      optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
+                      autocast_dtype: torch.dtype | None = None, world_size: int = 1, parallel: str = "none",
+                      fsdp_units: Callable[[nn.Module], list[nn.Module]] | None = None, tp_size: int | None = None,
+                      shard_size: int | None = None, parallelize: Callable[[nn.Module, Any], Any] | None = None,
+                      backend: str | None = None, **kwargs: Any) -> tuple[LoopPlan, int]:
+    """The in-backward loop alone, as :func:`plan` traces it (not ``"pp"``), with the warm step's FLOPs and
+    collective bytes (``LoopPlan.counts``): fit's one trace of a candidate. Returns the plan and this rank's
+    parameters."""
+    engine, optimizer_kwargs = _engine_options(kwargs)
+    traced = optimizer_class if steps_on_fake(optimizer_class) else stand_in(optimizer_class, optimizer_kwargs)
+    layout = Layout(parallel, world_size, None, False, fsdp_units, tp_size, shard_size, parallelize, backend)
+    plans, n_params, _, _ = _trace(("in_backward",), model_fn, batch_fn, loss_fn, traced, optimizer_kwargs, engine,
+                                   autocast_dtype, layout, count=True)
+    return plans["in_backward"], n_params
 
 
 def _not_seen(optimizer_class: type, traced: type) -> tuple[str, ...]:

@@ -45,11 +45,19 @@ class LoopPlan:
     peak_phase: str  # the part of the step the peak falls in: forward, backward, step
     kernel: str  # the optimizer kernel the step ran: fused, foreach or for-loop
     timeline: list[tuple[int, str, int]] = field(default_factory=list, repr=False)  # (event, phase, bytes alive)
+    # the first step's peak: it creates the optimizer state (lazily, as most classes do), so it is rarely the larger
+    first_step_peak_bytes: int = 0
+    counts: dict[str, int] = field(default_factory=dict, repr=False)  # fit's cost inputs: flops, collective_bytes
 
     @property
     def step_peak_bytes(self) -> int:
         """The peak above the step's start: what ``launch.memory_peak.allocator_peak`` measures of a step."""
         return self.peak_bytes - self.start_bytes
+
+    @property
+    def run_peak_bytes(self) -> int:
+        """The peak of a whole run: the larger of the first step's and a warm step's."""
+        return max(self.peak_bytes, self.first_step_peak_bytes)
 
 
 @dataclass
@@ -75,7 +83,8 @@ class MemoryPlan:
         out: dict[str, Any] = {"n_params": self.n_params, "options": self.options,
                                "saving_bytes": self.saving_bytes, "not_seen": list(self.not_seen)}
         for lp in self.loops():
-            out[lp.loop] = {"peak_bytes": lp.peak_bytes, "start_bytes": lp.start_bytes,
+            out[lp.loop] = {"peak_bytes": lp.peak_bytes, "first_step_peak_bytes": lp.first_step_peak_bytes,
+                            "run_peak_bytes": lp.run_peak_bytes, "start_bytes": lp.start_bytes,
                             "step_peak_bytes": lp.step_peak_bytes, "breakdown": lp.breakdown,
                             "bytes_per_param": lp.peak_bytes / max(1, self.n_params),
                             "peak_phase": lp.peak_phase, "kernel": lp.kernel,
@@ -86,6 +95,8 @@ class MemoryPlan:
         """Both loops side by side, in MiB, with the saving and what the plan does not see."""
         rows = [("", "standard", "in backward")]
         rows.append(("peak (MiB)", *(f"{lp.peak_bytes / MiB:.1f}" for lp in self.loops())))
+        if any(lp.first_step_peak_bytes for lp in self.loops()):  # traced (not by the pipeline planner)
+            rows.append(("first step's peak", *(f"{lp.first_step_peak_bytes / MiB:.1f}" for lp in self.loops())))
         for c in CATEGORIES:
             rows.append((f"  {c.replace('_', ' ')}", *(f"{lp.breakdown[c] / MiB:.1f}" for lp in self.loops())))
         rows.append(("bytes / parameter", *(f"{lp.peak_bytes / max(1, self.n_params):.2f}" for lp in self.loops())))

@@ -27,8 +27,13 @@ def fsdp_units(module: nn.Module) -> list[weakref.ref]:
     return [weakref.ref(m) for m in module.modules() if isinstance(m, FSDPModule)]
 
 
+# FSDPParamGroup's training states of a unit whose backward has begun (IDLE again once the backward ends)
+_IN_THIS_BACKWARD = ("PRE_BACKWARD", "POST_BACKWARD")
+
+
 def accumulated_unsharded(units: list[weakref.ref]) -> bool:
-    """Whether a unit holds unsharded gradients that a backward without gradient sync accumulated."""
+    """Whether a unit holds unsharded gradients that a backward without gradient sync accumulated: a unit idle
+    (not in the running backward, if one runs) holding them."""
     for ref in units:
         unit: Any = ref()
         if unit is None:
@@ -36,6 +41,8 @@ def accumulated_unsharded(units: list[weakref.ref]) -> bool:
         try:
             groups = fsdp_param_groups(unit)
             for group in groups:
+                if group._training_state.name in _IN_THIS_BACKWARD:
+                    continue  # its gradients are this backward's (the root's, computed first, reduced last)
                 for fp in group.fsdp_params:
                     unsharded = getattr(fp, UNSHARDED_PARAM, None)  # created at the first all-gather
                     if fp.unsharded_accumulated_grad is not None or (unsharded is not None and
