@@ -24,10 +24,6 @@ from launch.train_config import parse_config
 PP = ["--parallel", "pp", "--tie-weights", "false"]
 
 
-def _metrics(tmp: pathlib.Path, run: str, key: str) -> list:
-    return [json.loads(line)[key] for line in (tmp / run / "metrics.jsonl").read_text().splitlines()]
-
-
 # -- the split --------------------------------------------------------------------------------------------------
 def test_stages_cover_the_blocks_and_keep_the_models_names():
     assert [stage_blocks(5, 2, s) for s in range(2)] == [(0, 3), (3, 5)]
@@ -166,11 +162,14 @@ def test_pipeline_resume_latest_skips_a_step_one_stage_missed(tmp_path):
 
 
 def test_pp_gpipe_in_backward_equals_optimizer_mode_standard(tmp_path):
-    # 3 micro-batches of 2 sequences: the optimizer divides by 3 as the schedule does (x * (1/3) would differ)
+    # 3 micro-batches of 2 sequences: the optimizer divides by 3 as the schedule does (x * (1/3) would differ);
+    # --compare runs both optimizer modes in one launch
     opts = [*PP, "--pp-schedule", "gpipe", "--batch-size", "6", "--microbatches", "3", "--track-grad-norm"]
-    _train(tmp_path, "inb", *opts, nproc=2)
-    _train(tmp_path, "std", *opts, "--optimizer-mode", "standard", nproc=2)
-    assert _losses(tmp_path, "inb") == _losses(tmp_path, "std")
-    norms = _metrics(tmp_path, "inb", "grad_norm")
-    assert norms == _metrics(tmp_path, "std", "grad_norm") and all(n > 0 for n in norms)  # the model's norm
+    _train(tmp_path, "cmp", *opts, "--compare", nproc=2)
+    report = json.loads((tmp_path / "cmp" / "compare" / "report.json").read_text())
+    assert report["config"]["pp_schedule"] == "gpipe" and report["config"]["microbatches"] == 3
+    losses = report["losses"]
+    assert len(losses["in_backward"]) == 6 and losses["in_backward"] == losses["standard"]
+    norms = report["grad_norms"]
+    assert norms["in_backward"] == norms["standard"] and all(n > 0 for n in norms["standard"])  # the model's norm
 

@@ -1,17 +1,14 @@
 """The memory planner's layouts: one rank of a DDP or FSDP2 job (with accumulation too) or a TP job, planned on fake
 tensors in one process, against the same job measured on 2 real gloo ranks (every thread's tensor bytes, heap_shim.c;
-the mode of 15 steps; one group of ranks per loop measures every row); gloo's buffers inside FSDP2's collectives,
+the mode of 5 steps; one group of ranks per loop measures every row); gloo's buffers inside FSDP2's collectives,
 planned, and NCCL's, not; the layouts it does not plan refused."""
 
 from __future__ import annotations
 
 import json
 import os
-import pathlib
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,7 +19,6 @@ from benchmarks.bench_plan import _builders
 from dist_optim import plan
 from dist_optim._planner._cli import main
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 AGREEMENT = 0.10  # issue 25: planned within 10 % of measured, the saving too
 FSDP2_BYTES = 4096  # FSDP2 on gloo: the step's own peak and the saving this close (measured: to the byte, or 216 B)
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
@@ -49,7 +45,12 @@ FSDP2_ROWS = ("fsdp2, 2 x 256, cap 0.5", "fsdp2, 2 x 256, accumulation 2")
 TP_ROW = "tp, 2 x 256, cap 0.5"
 
 
-def measured_rows(labels: tuple[str, ...], steps: int = bench_plan_layouts.STEPS) -> dict[str, dict]:
+# warm steps measured per rank: the mode of 5 is the planned step (the benchmark measures 15; a late gloo free lands on
+# a step or two of them at most; under DDP and TP every step measures the same)
+FEW_STEPS = 5
+
+
+def measured_rows(labels: tuple[str, ...], steps: int = FEW_STEPS) -> dict[str, dict]:
     """Each row planned and measured (bench_plan_layouts.compare), the rows measured by one group of gloo ranks per
     loop: the interpreters' start, not the steps, is what a row costs."""
     configs = [next(c for c in bench_plan_layouts.CONFIGS if c[0] == label) for label in labels]
@@ -77,7 +78,7 @@ def _assert_fsdp2_agrees(label: str, res: dict) -> None:
     # The plan holds gloo's buffers inside FSDP2's collectives (communication: the all-gather's flat output, the
     # reduce-scatter's copy of its input) for each collective's duration. Gloo frees some of them late, on its own
     # thread, after the collective returned: a few of a rank's steps measure higher than the rest (headroom, stated in
-    # the plan), so each rank's most frequent step peak of 15 is compared.
+    # the plan), so each rank's most frequent step peak of 5 is compared.
     for loop in ("standard", "in_backward"):
         r = res[loop]
         assert abs(r["error"]) <= AGREEMENT, (label, loop, r["planned_peak"], r["measured_peak"], r["ranks"])
@@ -171,10 +172,8 @@ def test_the_command_line_plans_a_ddp_rank_and_refuses_a_pipeline_of_an_hf_model
     assert out["options"]["parallel"] == "ddp" and out["options"]["world_size"] == 8
     assert out["options"]["layout"] == "per rank, ddp on 8 ranks"
     assert out["standard"]["peak_bytes"] == p.standard.peak_bytes
-    proc = subprocess.run([sys.executable, "-m", "dist_optim.plan", "--hf-config", str(path), "--world", "8",
-                           "--parallel", "pp", "--batch-size", "1", "--seq-len", "32"], capture_output=True,
-                          text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
-    assert proc.returncode != 0 and "--parallel pp: give --model and --pp-stage-fn" in proc.stderr
+    with pytest.raises(SystemExit, match="--parallel pp: give --model and --pp-stage-fn"):
+        main(["--hf-config", str(path), "--world", "8", "--parallel", "pp", "--batch-size", "1", "--seq-len", "32"])
 
 
 def test_an_fsdp2_rank_holds_a_shard_and_the_fake_group_is_gone_after(tmp_path, capsys):
