@@ -1,7 +1,8 @@
 """dist_optim: the optimizer step inside the backward pass, exactly like the standard loop, with less memory."""
 
 from dist_optim._factory import in_backward
-from dist_optim._planner._fit import fit, fit_settings
+from dist_optim._planner._fit import fit_settings
+from dist_optim._planner._fit_model import fit
 from dist_optim._planner._fit_types import FitCandidate, FitResult, FitSetting
 from dist_optim._planner._pipeline import PipelinePlan
 from dist_optim._planner._plan import LoopPlan, MemoryPlan, plan

@@ -99,7 +99,7 @@ def test_the_recommended_setting_of_a_hugging_face_model_measures_its_plan(name)
     batches = [batch_fn(s.micro_batch) for _ in range(2 * s.accumulation_steps)]
 
     def run():  # the whole run: the model, its optimizer, two steps (the first creates the state)
-        model = dist_optim._planner._fit.checkpoint_first(model_fn(), s.checkpoint_blocks)
+        model = dist_optim._planner._fit_model.checkpoint_first(model_fn(), s.checkpoint_blocks)
         opt = dist_optim.InBackwardOptimizer(model, torch.optim.AdamW, accumulation_steps=s.accumulation_steps,
                                              lr=1e-3)
         for ids in batches:

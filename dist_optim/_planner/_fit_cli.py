@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dist_optim._planner._fit import fit
+from dist_optim._planner._fit_model import fit
 from dist_optim._planner._fit_types import ALLOW, DEVICES, FitResult
 
 __all__: list[str] = []
