@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"shape": shape, "argv": SHAPES[shape], "wall_seconds": round(wall, 1),
               "search_seconds": search["seconds"], "candidates": len(search["candidates"]),
               "traced": search["traces"], "peak_rss_bytes": rss, "fits": search["fits"],
-              "best_argv": search["argv"], "smallest_budget_bytes": search["smallest_budget_bytes"],
+              "best_argv": search["argv"], "best_planned_peak_bytes": search["planned_peak_bytes"],
+              "smallest_budget_bytes": search["smallest_budget_bytes"],
               "by": {k: sum(c["planned_by"] == k for c in search["candidates"]) for k in ("traced", "derived", "bound")}}
     print(f"{shape}: {result['candidates']} candidates ({result['by']}), {result['traced']} traces, "
           f"{result['wall_seconds']} s wall, peak RSS {rss / 2**20:.0f} MiB; fits: {result['fits']}")
