@@ -130,7 +130,20 @@ def _dtensor_class() -> type | tuple[()]:
     return DTensor
 
 
-_DTENSOR = _dtensor_class()
+class _LazyDTensorMeta(type):
+    """Importing ``torch.distributed.tensor`` costs ~0.8 CPU s (it pulls in dynamo), paid by every process that
+    imports dist_optim, a DDP rank or a one-process run included: the class is looked up at the first check."""
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        return isinstance(obj, _dtensor_class())
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, _dtensor_class())
+
+
+class _DTENSOR(metaclass=_LazyDTensorMeta):  # noqa: N801 (stands for DTensor in isinstance and issubclass)
+    """``isinstance(x, _DTENSOR)`` / ``issubclass(t, _DTENSOR)``: whether x / t is a DTensor, torch.distributed.tensor
+    imported at the first check (until a DTensor exists, nothing has imported it and none of the checks is true)."""
 
 
 def is_dtensor(p: torch.Tensor) -> bool:

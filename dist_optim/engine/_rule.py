@@ -11,6 +11,7 @@ which ``random_draws="reordered"`` accepts.
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
 import types
@@ -314,13 +315,17 @@ def _restore(positions: list[Any], devices: list[int]) -> None:
         numpy.random.set_state((state[0], numpy.array(state[1], dtype=numpy.uint32), *state[2:]))
 
 
-_TORCH_ATTRIBUTES = frozenset(torch.optim.SGD([torch.zeros(1, requires_grad=True)]).__dict__) | {LR_SCHEDULER_STEP_MARK}
+@functools.cache
+def _torch_attributes() -> frozenset[str]:
+    """The attributes torch's Optimizer gives every instance. Built at the first use, not at import: constructing
+    an optimizer imports torch._dynamo (~0.85 CPU s), which a process that never steps in backward would pay."""
+    return frozenset(torch.optim.SGD([torch.zeros(1, requires_grad=True)]).__dict__) | {LR_SCHEDULER_STEP_MARK}
 
 
 def _attributes(opt: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's own attributes that hold numbers or tensors (where a counter would live), copied."""
     return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(opt).items()
-            if k not in _TORCH_ATTRIBUTES and isinstance(v, (bool, int, float, str, torch.Tensor))}
+            if k not in _torch_attributes() and isinstance(v, (bool, int, float, str, torch.Tensor))}
 
 
 def _as_kind(t: torch.Tensor, kind: torch.Tensor) -> torch.Tensor:
