@@ -402,8 +402,12 @@ def _worker(agent: subprocess.Popen, local_rank: int, timeout: float = 120) -> i
 
 
 def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_and_resumes_exactly(tmp_path):
+    """The uninterrupted run is the standard loop's (in backward equals it bitwise: the --compare tests), whose
+    metrics carry each rank's memory (in backward: test_fsdp2_compare_then_resume_on_two_and_on_one_process's run);
+    one 2-rank launch checks both."""
     opts = ["--steps", "60", "--batch-size", "32", "--log-every", "1"]
-    _train(tmp_path, "full", *opts, nproc=2)
+    _train(tmp_path, "full", *opts, "--optimizer-mode", "standard", nproc=2)
+    _check_ranks_memory(tmp_path, "full", "standard")
     run = tmp_path / "run"
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "2", *TRAIN, *TINY, *opts, "--run-dir", str(run)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -422,7 +426,8 @@ def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_and_resumes_exac
     assert len(stopped) == 1 and stopped[0] < 59, output[-4000:]
     assert _steps_on_disk(tmp_path, "run") == stopped and len(_losses(tmp_path, "run")) == stopped[0] + 1
     _train(tmp_path, "run", *opts, "--resume", "latest", nproc=2)
-    assert _losses(tmp_path, "run") == _losses(tmp_path, "full")
+    assert _losses(tmp_path, "run") == _losses(tmp_path, "full"), "stopped by SIGTERM and resumed in backward != " \
+        "the standard loop's uninterrupted run"
 
 
 # -- at the terminal ------------------------------------------------------------------------------------------------
@@ -513,12 +518,6 @@ def _check_ranks_memory(tmp: pathlib.Path, run: str, mode: str) -> None:
     held = rows[-1]["grad_bytes_peak"]
     if mode == "standard":
         assert held[0] == pytest.approx(held[1], rel=0.2)
-
-
-def test_metrics_carry_each_ranks_memory(tmp_path):
-    """In the standard loop here; in backward: test_fsdp2_compare_then_resume_on_two_and_on_one_process's run."""
-    _train(tmp_path, "r", "--optimizer-mode", "standard", "--log-every", "1", nproc=2)
-    _check_ranks_memory(tmp_path, "r", "standard")
 
 
 def test_the_progress_line_says_the_time_left(tmp_path):
