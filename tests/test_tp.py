@@ -23,7 +23,6 @@ import dist_optim
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
 
 if dist.is_available():
-    from dist_runner import run_fresh
     from test_fsdp2 import (
         _assert_same,
         _clip_exact,
@@ -380,8 +379,9 @@ def _control_local_partial_step(ctx) -> dict:
     return {"drift": drift, "vs_standard": off}
 
 
-def test_control_a_step_on_the_local_partial_gradient_fails():
-    results = run_fresh(2, _control_local_partial_step)
+def test_control_a_step_on_the_local_partial_gradient_fails(ranks):
+    # the shared group: the patch is undone in the scenario (finally), and every rank runs the same collectives
+    results = ranks.run(2, _control_local_partial_step)
     drift = results[0]["drift"]
     assert drift > 1e-3, f"the control's replicas drift by {drift} only: the tests would not notice"
 
