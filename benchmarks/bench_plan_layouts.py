@@ -130,33 +130,29 @@ def _rank(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     return shim.warm_step(lambda: job.step(batches), base, args.steps)
 
 
-def measured_together(configs: list[tuple], steps: int = STEPS) -> dict[str, dict[str, list[dict]]]:
+def measured_together(configs: list[tuple], steps: int = STEPS, loops: tuple[str, ...] = LOOPS
+                      ) -> dict[str, dict[str, list[dict]]]:
     """Per configuration (label, shape, layout, engine; one world size), per loop, each rank's measured figures over
-    ``steps`` warm steps: each loop in its own spawned group of gloo ranks, which measures the configurations one
+    ``steps`` warm steps: one spawned group of gloo ranks measures the configurations, under each of ``loops``, one
     after the other (each from its own baseline, taken after the previous one's model is freed). One group for
-    several rows saves each row's interpreters (the tests' way); the benchmark gives each row its own."""
+    several rows and both loops saves their interpreters (the tests' way); the benchmark gives each row and loop
+    its own."""
     worlds = {_world(layout) for _, _, layout, _ in configs}
     if len(worlds) != 1:
         raise ValueError(f"measured_together needs one world size, got {sorted(worlds)}")
     world = worlds.pop()
     rows = [{"shape": list(shape), "layout": sorted(layout.items()), "engine": sorted(engine.items())}
             for _, shape, layout, engine in configs]
-    out: dict[str, dict[str, list[dict]]] = {label: {} for label, *_ in configs}
-    for loop in LOOPS:
-        args = argparse.Namespace(device="cpu", threads=1, malloc="pinned", loop=loop, steps=steps)
-        each, no_shim = h.spawn_rows(_rank, args, rows, world, heap_shim=True)
-        if no_shim:
-            raise RuntimeError(f"heap shim not preloaded ({no_shim}): no per-rank peak of every thread")
-        for (label, *_), ranks in zip(configs, each):
-            out[label][loop] = ranks
-    return out
+    args = argparse.Namespace(device="cpu", threads=1, malloc="pinned", steps=steps)
+    each = h.spawn_rows_per_loop(_rank, args, rows, loops, world)
+    return {label: m for (label, *_), m in zip(configs, each)}
 
 
 def measured(shape: tuple[int, ...], layout: dict[str, Any], engine: dict[str, Any], steps: int = STEPS
              ) -> dict[str, list[dict]]:
     """Per loop, each rank's measured figures over ``steps`` warm steps (each loop in its own spawned group of
     ``WORLD`` gloo ranks)."""
-    return measured_together([("", shape, layout, engine)], steps)[""]
+    return {loop: measured_together([("", shape, layout, engine)], steps, (loop,))[""][loop] for loop in LOOPS}
 
 
 def compare(shape: tuple[int, ...], layout: dict[str, Any], engine: dict[str, Any], statistic: str = "mode",

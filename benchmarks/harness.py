@@ -495,6 +495,18 @@ def spawn_rows(fn: Callable[[int, argparse.Namespace], dict[str, Any]], args: ar
     return [[r["rows"][k] for r in ranks] for k in range(len(rows))], no_shim
 
 
+def spawn_rows_per_loop(fn: Callable[[int, argparse.Namespace], dict[str, Any]], args: argparse.Namespace,
+                        rows: list[dict[str, Any]], loops: tuple[str, ...], world: int) -> list[dict[str, list[dict]]]:
+    """:func:`spawn_rows` with the heap shim, each row once per loop (``args.loop``), all on one group of ranks
+    (each row from its own baseline, the loops as further rows: a group per loop would pay the interpreters'
+    start again); each row's results (a list over the ranks) per loop."""
+    each, no_shim = spawn_rows(fn, args, [{**row, "loop": loop} for loop in loops for row in rows], world,
+                               heap_shim=True)
+    if no_shim:
+        raise RuntimeError(f"heap shim not preloaded ({no_shim}): no per-rank peak of every thread")
+    return [{loop: each[i * len(rows) + k] for i, loop in enumerate(loops)} for k in range(len(rows))]
+
+
 def spawn(fn: Callable[[int, argparse.Namespace], dict[str, Any]], args: argparse.Namespace, world: int = 2,
           heap_shim: bool = False) -> tuple[list[dict[str, Any]], str | None]:
     """``fn(rank, args)`` on ``world`` spawned ranks with a process group (gloo; NCCL with --device cuda); their
