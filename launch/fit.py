@@ -33,7 +33,7 @@ __all__ = ["fit_job"]
 
 NO_FIT = 3  # the exit code when nothing fits
 # flags of the search itself, never part of a candidate's command line
-_SEARCH_FLAGS = ("fit", "memory", "fit_json", "allow", "nproc", "plan", "compare", "parallel", "tp_size",
+_SEARCH_FLAGS = ("fit", "memory", "json", "allow", "nproc", "plan", "compare", "parallel", "tp_size",
                  "accumulation_steps", "checkpoint_blocks", "param_dtype", "autocast", "clip_mode", "optimizer")
 _LOW_BIT = {"8bit": "adamw8bit", "4bit": "adamw4bit"}
 
@@ -128,9 +128,9 @@ def fit_job(cfg: TrainConfig) -> int:
     launcher = "python" if world == 1 else f"torchrun --nproc-per-node {world}"
     if result.fits:
         print(f"run: {launcher} -m launch.train {' '.join(result.best.argv)}")
-    if cfg.fit_json:
-        pathlib.Path(cfg.fit_json).write_text(json.dumps(result.to_dict(), indent=1) + "\n")
-        print(f"written: {cfg.fit_json}")
+    if cfg.json:
+        pathlib.Path(cfg.json).write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+        print(f"written: {cfg.json}")
     if not result.fits:
         print(f"launch.train: nothing fits --memory {cfg.memory}: the smallest candidate plans "
               f"{result.smallest_peak_bytes / 2**20:.1f} MiB, a budget of "

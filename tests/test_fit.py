@@ -131,7 +131,7 @@ def _measured(run_dir: pathlib.Path) -> list[int]:
 
 
 def test_launch_fit_on_two_ranks_runs_what_it_chose_under_the_budget(tmp_path, shim):
-    out = _launch("--fit", "--memory", "4.2MiB", "--nproc", "2", *SHAPE, "--fit-json", str(tmp_path / "fit.json"))
+    out = _launch("--fit", "--memory", "4.2MiB", "--nproc", "2", *SHAPE, "--json", str(tmp_path / "fit.json"))
     found = json.loads((tmp_path / "fit.json").read_text())
     assert found["fits"] and found["budget_bytes"] == int(4.2 * MiB) and "run: torchrun --nproc-per-node 2" in out.stdout
     over = [c for c in found["candidates"] if c["planned_peak_bytes"] > found["budget_bytes"]]
@@ -147,7 +147,7 @@ def test_launch_fit_on_two_ranks_runs_what_it_chose_under_the_budget(tmp_path, s
 
 
 def test_a_budget_under_every_candidate_exits_3_naming_the_smallest(tmp_path):
-    out = _launch("--fit", "--memory", "1MiB", *SHAPE, "--fit-json", str(tmp_path / "f.json"), expect=3)
+    out = _launch("--fit", "--memory", "1MiB", *SHAPE, "--json", str(tmp_path / "f.json"), expect=3)
     found = json.loads((tmp_path / "f.json").read_text())
     assert not found["fits"] and found["argv"] is None
     assert f"{found['smallest_budget_bytes'] / MiB:.1f} MiB" in out.stderr and "nothing fits --memory 1MiB" in out.stderr
