@@ -161,3 +161,17 @@ def test_the_planners_command_line_exits_3_when_nothing_fits(tmp_path):
     assert out.returncode == 3, out.stderr[-2000:]
     assert "nothing fits: the smallest candidate plans" in out.stdout
     assert not json.loads((tmp_path / "f.json").read_text())["fits"]
+
+
+def test_launch_fit_names_the_layouts_the_job_cannot_take(capsys):
+    from launch import train
+
+    shape = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--nproc", "3"]
+    assert train.main(["--fit", "--memory", "100MiB", "--batch-size", "12", *shape]) == 0
+    out = capsys.readouterr().out
+    assert "skipped: --parallel tp: --n-embd 64 must be a multiple of the tensor-parallel size 3" in out
+    assert "run: torchrun --nproc-per-node 3 -m launch.train --parallel " in out
+    assert train.main(["--fit", "--memory", "100MiB", "--batch-size", "16", *shape]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("launch.train: error: --fit: no layout of 3 processes runs this job: --parallel ddp: "
+                          "--batch-size 16 must be a multiple") and len(err.splitlines()) == 1
