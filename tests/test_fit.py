@@ -63,6 +63,16 @@ def test_a_budget_between_the_candidates_splits_them_and_none_fits_below_the_sma
     assert "nothing fits" in none.table()
 
 
+def test_allowed_settings_are_named_and_reordered_draws_reach_the_call():
+    r = _fit(memory="64MiB", allow="bf16-params,reordered-draws")
+    needs = {tuple(c.setting.needs()) for c in r.candidates}
+    assert needs == {("reordered-draws",), ("bf16-params", "reordered-draws")}
+    assert all("random_draws='reordered'" in c.call for c in r.candidates)
+    bf16 = [c for c in r.candidates if c.setting.param_dtype == "bfloat16"]
+    assert bf16 and all("model.to(torch.bfloat16)" in c.call and "needs bf16-params" in r.table(len(r.candidates))
+                        for c in bf16)
+
+
 def test_bad_inputs_name_the_value():
     with pytest.raises(ValueError, match="allow names 'fp8'"):
         _fit(memory="1GiB", allow="fp8")

@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 # the engine's options the planner models in both loops (the standard loop's counterpart of each); InBackwardOptions
 # gives their defaults
 PLANNED_OPTIONS = ("bucket_cap_mb", "per_parameter", "accumulation_steps", "max_grad_norm", "clip_mode",
-                   "track_grad_norm")
+                   "track_grad_norm", "random_draws")
 
 
 # -- planning -------------------------------------------------------------------------------------------------------
@@ -218,7 +218,8 @@ def plan(
             ``communication``; none for NCCL, whose internal buffers are not torch's allocator's (not seen).
         **kwargs: the engine's options planned, as ``InBackwardOptimizer`` takes them, with its defaults
             (``bucket_cap_mb``, ``per_parameter``, ``accumulation_steps``, ``max_grad_norm``, ``clip_mode``,
-            ``track_grad_norm``; the others are refused), and ``optimizer_class``'s options (``lr``, ...). The
+            ``track_grad_norm``, and ``random_draws``, which changes the order of random draws, not memory; the
+            others are refused), and ``optimizer_class``'s options (``lr``, ...). The
             standard loop clips as ``clip_mode`` says. Under ``"ddp"`` and ``"fsdp2"`` the micro-batches accumulate
             as those wrappers do, in both loops: the first ``accumulation_steps - 1`` under ``model.no_sync()`` or
             ``model.set_requires_gradient_sync(False)``, the last one reducing (and, in backward, stepping).
