@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from dist_optim._planner._fsdp2 import local
-from dist_optim._planner._guard import FakeCopies, named_operators
+from dist_optim._planner._guard import FakeCopies, check_positions, named_operators
 from dist_optim._planner._layouts import Layout, check_backend
 from dist_optim._planner._lowbit import not_seen as lowbit_not_seen
 from dist_optim._planner._lowbit import stand_in, steps_on_fake
@@ -94,6 +94,7 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
         job = Job(model, loop, loss_fn, optimizer_class, optimizer_kwargs, engine)
         job.autocast = autocast_dtype
         first = [batch_fn() for _ in range(micro)]
+        check_positions(built[0], first)  # the model as built, before a wrapper hides its attributes
         # the first step creates the optimizer state: traced too (unless only a warm step is asked for), its peak
         # planned when it is the larger
         first_peak = 0
