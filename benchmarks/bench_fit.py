@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         found = pathlib.Path(tmp) / "fit.json"
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "launch.train", "--fit", *SHAPES[shape], "--fit-json",
+        proc = subprocess.run([sys.executable, "-m", "launch.train", "--fit", *SHAPES[shape], "--json",
                                str(found)], capture_output=True, text=True)
         wall = time.perf_counter() - t0
         if proc.returncode not in (0, 3):

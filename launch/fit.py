@@ -33,7 +33,7 @@ __all__ = ["fit_job"]
 
 NO_FIT = 3  # the exit code when nothing fits
 # flags of the search itself, never part of a candidate's command line
-_SEARCH_FLAGS = ("fit", "memory", "fit_json", "allow", "nproc", "plan", "compare", "parallel", "tp_size",
+_SEARCH_FLAGS = ("fit", "memory", "json", "allow", "nproc", "plan", "compare", "parallel", "tp_size",
                  "accumulation_steps", "checkpoint_blocks", "param_dtype", "autocast", "clip_mode", "optimizer")
 _LOW_BIT = {"8bit": "adamw8bit", "4bit": "adamw4bit"}
 
@@ -42,8 +42,8 @@ def _world(cfg: TrainConfig) -> int:
     return int(os.environ.get("WORLD_SIZE", "0")) or cfg.nproc or 1
 
 
-def settings(cfg: TrainConfig, allow: tuple[str, ...]) -> list[dist_optim.FitSetting]:
-    """Every setting of the trainer's job that the world and the batch allow."""
+def settings(cfg: TrainConfig, allow: tuple[str, ...]) -> tuple[list[dist_optim.FitSetting], list[str]]:
+    """Every setting of the trainer's job that the world and the batch allow, and the layouts left out (why)."""
     world = _world(cfg)
     layouts: list[tuple[str, int | None]] = [("none", None)] if world == 1 else \
         [("ddp", None), ("fsdp2", None), ("tp", None)] + [("fsdp2+tp", t) for t in range(2, world) if world % t == 0]
@@ -54,10 +54,12 @@ def settings(cfg: TrainConfig, allow: tuple[str, ...]) -> list[dist_optim.FitSet
         states += list(_LOW_BIT)
     clips = [None] if cfg.max_grad_norm is None else ["two_pass", "exact"]
     blocks = sorted({0, cfg.n_layer // 2, cfg.n_layer})
-    out = []
+    out, skipped = [], []
     for parallel, tp in layouts:
         replicas = 1 if parallel == "tp" else world // (tp or 1)
-        if cfg.batch_size % replicas:
+        why = _refused(cfg, parallel, tp, world)
+        if why:
+            skipped.append(f"--parallel {parallel}{f' --tp-size {tp}' if tp else ''}: {why}")
             continue
         per = cfg.batch_size // replicas
         steps = [a for a in range(1, per + 1) if per % a == 0] if parallel in ("none", "ddp", "fsdp2") else [1]
@@ -68,7 +70,17 @@ def settings(cfg: TrainConfig, allow: tuple[str, ...]) -> list[dist_optim.FitSet
                         for clip in clips:
                             out.append(dist_optim.FitSetting(parallel, world, tp, None, per // acc, acc, k, dtype,
                                                              autocast, state, clip, cfg.bucket_cap_mb))
-    return out
+    return out, skipped
+
+
+def _refused(cfg: TrainConfig, parallel: str, tp: int | None, world: int) -> str | None:
+    """Why the run refuses this layout (the model's shape does not split over its ranks, say), or None."""
+    c = dataclasses.replace(cfg, fit=False, parallel=parallel, tp_size=tp, accumulation_steps=1)
+    try:
+        planned_job(c, {"WORLD_SIZE": str(world)})
+    except LaunchError as e:
+        return str(e)
+    return None
 
 
 def _config(cfg: TrainConfig, s: dist_optim.FitSetting) -> TrainConfig:
@@ -115,22 +127,22 @@ def fit_job(cfg: TrainConfig) -> int:
 
     def params_bytes(s: dist_optim.FitSetting) -> int:
         return n_params * (2 if s.param_dtype == "bfloat16" else 4) // shards.get(s.parallel, world)
-    candidates = settings(cfg, allow)
+    candidates, skipped = settings(cfg, allow)
     if not candidates:
-        raise LaunchError(f"--fit: --batch-size {cfg.batch_size} splits over no layout of {world} processes; give a "
-                          f"multiple of {world}")
+        raise LaunchError(f"--fit: no layout of {world} processes runs this job: {'; '.join(skipped)}")
     try:
         result = dist_optim.fit_settings(candidates, plan_for, memory=cfg.memory, params_bytes=params_bytes,
                                          argv_for=lambda s: argv(cfg, s), blocks=cfg.n_layer)
     except (ValueError, NotImplementedError) as e:
         raise LaunchError(f"--fit: {' '.join(str(e).split())}") from e
+    result.skipped = skipped
     print(result.table())
     launcher = "python" if world == 1 else f"torchrun --nproc-per-node {world}"
     if result.fits:
         print(f"run: {launcher} -m launch.train {' '.join(result.best.argv)}")
-    if cfg.fit_json:
-        pathlib.Path(cfg.fit_json).write_text(json.dumps(result.to_dict(), indent=1) + "\n")
-        print(f"written: {cfg.fit_json}")
+    if cfg.json:
+        pathlib.Path(cfg.json).write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+        print(f"written: {cfg.json}")
     if not result.fits:
         print(f"launch.train: nothing fits --memory {cfg.memory}: the smallest candidate plans "
               f"{result.smallest_peak_bytes / 2**20:.1f} MiB, a budget of "

@@ -29,7 +29,7 @@ MODEL_SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "tie_weights", "para
 # options of one process run, not of the training: a resume may change them without notice
 PROCESS_OPTIONS = ("stop_after", "device", "threads", "parallel", "pp_stages", "tp_size", "run_dir", "log_every",
                    "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "compare", "profile_step", "plan",
-                   "nproc", "tensorboard", "wandb", "fit", "memory", "allow", "fit_json")
+                   "nproc", "tensorboard", "wandb", "fit", "memory", "allow", "json")
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -140,7 +140,7 @@ class TrainConfig:
     memory: str | None = _opt(None, "--fit: the memory budget per process, e.g. 80GiB, 512MiB")
     allow: str = _opt("", "--fit: settings that change the job's arithmetic, comma-separated: bf16-params, "
                           "autocast, low-bit-states (default: only settings bitwise equal to this job's own)")
-    fit_json: str | None = _opt(None, "--fit: write the search into this JSON file: fits, budget_bytes, "
+    json: str | None = _opt(None, "--fit: write the search into this JSON file: fits, budget_bytes, "
                                       "planned_peak_bytes, argv (the best's flags) and every candidate")
 
     def __post_init__(self) -> None:

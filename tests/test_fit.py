@@ -63,6 +63,16 @@ def test_a_budget_between_the_candidates_splits_them_and_none_fits_below_the_sma
     assert "nothing fits" in none.table()
 
 
+def test_allowed_settings_are_named_and_reordered_draws_reach_the_call():
+    r = _fit(memory="64MiB", allow="bf16-params,reordered-draws")
+    needs = {tuple(c.setting.needs()) for c in r.candidates}
+    assert needs == {("reordered-draws",), ("bf16-params", "reordered-draws")}
+    assert all("random_draws='reordered'" in c.call for c in r.candidates)
+    bf16 = [c for c in r.candidates if c.setting.param_dtype == "bfloat16"]
+    assert bf16 and all("model.to(torch.bfloat16)" in c.call and "needs bf16-params" in r.table(len(r.candidates))
+                        for c in bf16)
+
+
 def test_bad_inputs_name_the_value():
     with pytest.raises(ValueError, match="allow names 'fp8'"):
         _fit(memory="1GiB", allow="fp8")
@@ -130,24 +140,27 @@ def _measured(run_dir: pathlib.Path) -> list[int]:
     return rows[-1]["memory_peak_bytes"]  # the shim's peak since each rank began: the whole run's
 
 
-def test_launch_fit_on_two_ranks_runs_what_it_chose_under_the_budget(tmp_path, shim):
-    out = _launch("--fit", "--memory", "4.2MiB", "--nproc", "2", *SHAPE, "--fit-json", str(tmp_path / "fit.json"))
+@pytest.mark.parametrize("budget, rejected", [(4.2, True), (3.3, False)])
+def test_launch_fit_on_two_ranks_runs_what_it_chose_under_the_budget(budget, rejected, tmp_path, shim):
+    out = _launch("--fit", "--memory", f"{budget}MiB", "--nproc", "2", *SHAPE, "--json", str(tmp_path / "fit.json"))
     found = json.loads((tmp_path / "fit.json").read_text())
-    assert found["fits"] and found["budget_bytes"] == int(4.2 * MiB) and "run: torchrun --nproc-per-node 2" in out.stdout
+    assert found["fits"] and found["budget_bytes"] == int(budget * MiB)
+    assert "run: torchrun --nproc-per-node 2" in out.stdout
     over = [c for c in found["candidates"] if c["planned_peak_bytes"] > found["budget_bytes"]]
     assert over and not any(c["fits"] for c in over) and len(found["candidates"]) >= 10
-    runs = {"chosen": (found["argv"], found["planned_peak_bytes"]),
-            "rejected": (over[-1]["argv"], over[-1]["planned_peak_bytes"])}
+    runs = {"chosen": (found["argv"], found["planned_peak_bytes"])}
+    if rejected:  # the largest candidate, rejected as over the budget
+        runs["rejected"] = (over[-1]["argv"], over[-1]["planned_peak_bytes"])
     for name, (argv, planned) in runs.items():
         _launch(*argv, "--steps", "3", "--corpus-mb", "0.25", "--run-dir", str(tmp_path / name), nproc=2,
                 env={"LD_PRELOAD": shim})
         for peak in _measured(tmp_path / name):
-            assert abs(peak - planned) <= 0.1 * planned, (name, peak, planned)
+            assert abs(peak - planned) <= 0.1 * planned, (name, argv, peak, planned)
             assert (peak <= found["budget_bytes"]) == (name == "chosen"), (name, peak)
 
 
 def test_a_budget_under_every_candidate_exits_3_naming_the_smallest(tmp_path):
-    out = _launch("--fit", "--memory", "1MiB", *SHAPE, "--fit-json", str(tmp_path / "f.json"), expect=3)
+    out = _launch("--fit", "--memory", "1MiB", *SHAPE, "--json", str(tmp_path / "f.json"), expect=3)
     found = json.loads((tmp_path / "f.json").read_text())
     assert not found["fits"] and found["argv"] is None
     assert f"{found['smallest_budget_bytes'] / MiB:.1f} MiB" in out.stderr and "nothing fits --memory 1MiB" in out.stderr
@@ -161,3 +174,17 @@ def test_the_planners_command_line_exits_3_when_nothing_fits(tmp_path):
     assert out.returncode == 3, out.stderr[-2000:]
     assert "nothing fits: the smallest candidate plans" in out.stdout
     assert not json.loads((tmp_path / "f.json").read_text())["fits"]
+
+
+def test_launch_fit_names_the_layouts_the_job_cannot_take(capsys):
+    from launch import train
+
+    shape = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--nproc", "3"]
+    assert train.main(["--fit", "--memory", "100MiB", "--batch-size", "12", *shape]) == 0
+    out = capsys.readouterr().out
+    assert "skipped: --parallel tp: --n-embd 64 must be a multiple of the tensor-parallel size 3" in out
+    assert "run: torchrun --nproc-per-node 3 -m launch.train --parallel " in out
+    assert train.main(["--fit", "--memory", "100MiB", "--batch-size", "16", *shape]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("launch.train: error: --fit: no layout of 3 processes runs this job: --parallel ddp: "
+                          "--batch-size 16 must be a multiple") and len(err.splitlines()) == 1

@@ -78,7 +78,9 @@ def fit(model_fn: Callable[[], nn.Module], batch_fn: Callable[[int], Any],
     (``two_pass`` or ``exact``), and ``bucket_caps``. By default only settings bitwise equal to the standard loop of
     the job asked for are candidates; ``allow`` widens that: ``"bf16-params"`` (parameters, gradients and state in
     bfloat16), ``"autocast"`` (the forward under bfloat16 autocast), ``"low-bit-states"`` (torchao's
-    ``AdamW8bit``/``AdamW4bit`` for ``AdamW``, where installed). Each candidate's peak per device is the larger of
+    ``AdamW8bit``/``AdamW4bit`` for ``AdamW``, where installed), ``"reordered-draws"`` (``random_draws="reordered"``
+    in every candidate's call: a class whose step draws random numbers, torchao's ``bf16_stochastic_round=True``,
+    then steps in buckets; the memory is the same). Each candidate's peak per device is the larger of
     the first step's and a warm step's, traced on fake tensors or derived (the module's docstring; docs/planning.md,
     "Make it fit").
 
@@ -127,6 +129,7 @@ def fit(model_fn: Callable[[], nn.Module], batch_fn: Callable[[int], Any],
     states = {"full": optimizer_class, **(_low_bit(optimizer_class) if "low-bit-states" in names else {})}
     dtypes = [("float32", None)] + [("bfloat16", None)] * ("bf16-params" in names) + \
         [("float32", "bfloat16")] * ("autocast" in names)
+    draws = "reordered" if "reordered-draws" in names else "exact"  # a permission: the same memory either way
     settings, skipped = [], []
     for parallel, tp, shard in layouts(devices, nodes, parallelize):
         replicas = 1 if parallel == "tp" else world // (tp or 1)
@@ -140,7 +143,7 @@ def fit(model_fn: Callable[[], nn.Module], batch_fn: Callable[[int], Any],
             for k in sorted({0, n_blocks // 2, n_blocks}):
                 for (dtype, autocast), state, clip, cap in _product(dtypes, states, max_grad_norm, bucket_caps):
                     settings.append(FitSetting(parallel, world, tp, shard, m, per // m, k, dtype, autocast, state,
-                                               clip, cap))
+                                               clip, cap, draws))
     shards = {"none": 1, "ddp": 1, "hsdp": devices}
 
     def params_bytes(s: FitSetting) -> int:
@@ -204,6 +207,8 @@ def _plan_arguments(s: FitSetting, model_fn: Callable[[], nn.Module], batch_fn: 
         out["parallelize"] = parallelize
     out.update({k: v for k, v in (("tp_size", s.tp_size), ("shard_size", s.shard_size),
                                   ("bucket_cap_mb", s.bucket_cap_mb)) if v is not None})
+    if s.random_draws != "exact":
+        out["random_draws"] = s.random_draws
     if max_grad_norm is not None:
         out.update(max_grad_norm=max_grad_norm, clip_mode=s.clip_mode)
     return out
@@ -224,6 +229,8 @@ def _call(s: FitSetting, cls: type, max_grad_norm: float | None, optimizer_kwarg
         engine.update(max_grad_norm=max_grad_norm, clip_mode=s.clip_mode)
     if s.bucket_cap_mb is not None:
         engine["bucket_cap_mb"] = s.bucket_cap_mb
+    if s.random_draws != "exact":
+        engine["random_draws"] = s.random_draws
     args = ", ".join(f"{k}={v!r}" for k, v in {**engine, **optimizer_kwargs}.items())
     steps.append(f"dist_optim.InBackwardOptimizer(model, {cls.__module__}.{cls.__qualname__}"
                  + (f", {args})" if args else ")"))

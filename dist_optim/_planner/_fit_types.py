@@ -15,7 +15,7 @@ __all__: list[str] = []
 
 MiB, GiB = 2**20, 2**30
 # what a user widens the search to: each changes the job's arithmetic against the job asked for (fp32, full state)
-ALLOW = ("bf16-params", "autocast", "low-bit-states")
+ALLOW = ("bf16-params", "autocast", "low-bit-states", "reordered-draws")
 # peak dense FLOP/s in fp32 and bf16, and bytes/s of the link within a node and across nodes: the cost model's
 # device (published figures; the ranking depends on their ratios, not on their size)
 DEVICES = {
@@ -42,12 +42,14 @@ class FitSetting:
     state: str = "full"  # the optimizer state's precision: full, 8bit, 4bit (torchao)
     clip_mode: str | None = None  # with max_grad_norm: exact or two_pass
     bucket_cap_mb: float | None = None  # None: the engine's default
+    random_draws: str = "exact"  # "reordered": a class that draws random numbers may step in buckets (no memory)
 
     def needs(self) -> tuple[str, ...]:
         """The ``allow`` names this setting needs (empty: bitwise the job asked for, laid out so)."""
         return tuple(n for n, on in (("bf16-params", self.param_dtype != "float32"),
                                      ("autocast", self.autocast is not None),
-                                     ("low-bit-states", self.state != "full")) if on)
+                                     ("low-bit-states", self.state != "full"),
+                                     ("reordered-draws", self.random_draws != "exact")) if on)
 
     def describe(self) -> str:
         layout = {"none": "one device", "ddp": f"DDP x{self.world_size}", "fsdp2": f"FSDP2 x{self.world_size}",
@@ -67,6 +69,8 @@ class FitSetting:
             parts.append(f"clip {self.clip_mode}")
         if self.bucket_cap_mb is not None:
             parts.append(f"cap {self.bucket_cap_mb:g} MiB")
+        if self.random_draws != "exact":
+            parts.append(f"draws {self.random_draws}")
         return ", ".join(parts)
 
 

@@ -24,7 +24,7 @@ from torch.nn.modules.module import (
 )
 from torch.overrides import TorchFunctionMode
 
-from dist_optim._torch_internals import TorchDispatchMode
+from dist_optim._torch_internals import TorchDispatchMode, tree_leaves
 from dist_optim.engine._inputs import _DTENSOR
 
 __all__: list[str] = []
@@ -144,3 +144,20 @@ def _caused_by(e: BaseException, cause: BaseException) -> bool:
         seen.add(id(e))
         e = e.__cause__ or e.__context__  # type: ignore[assignment]
     return False
+
+
+def check_positions(model: nn.Module, batch: Any) -> None:
+    """Refuse a batch whose sequences are longer than the model's learned positions: a job that cannot run (the
+    real forward indexes past its position embedding), which fake tensors would plan without a word. The positions
+    are the model's ``block_size`` or ``config.max_position_embeddings`` where an ``nn.Embedding`` of that many rows
+    holds them (rotary or relative positions have no such limit)."""
+    config = getattr(model, "config", None)
+    positions = getattr(model, "block_size", None) or getattr(config, "max_position_embeddings", None)
+    if not isinstance(positions, int) or not any(isinstance(m, nn.Embedding) and m.num_embeddings == positions
+                                                 for m in model.modules()):
+        return
+    for t in tree_leaves(batch):
+        if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() >= 2 and t.shape[1] > positions:
+            raise ValueError(f"the batch's sequences are {t.shape[1]} tokens, above the model's {positions} learned "
+                             f"positions (its block_size or max_position_embeddings): the job cannot run; make them "
+                             f"{positions} tokens or fewer")

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from dist_optim._planner._fsdp2 import local
-from dist_optim._planner._guard import FakeCopies, named_operators
+from dist_optim._planner._guard import FakeCopies, check_positions, named_operators
 from dist_optim._planner._layouts import Layout, check_backend
 from dist_optim._planner._lowbit import not_seen as lowbit_not_seen
 from dist_optim._planner._lowbit import stand_in, steps_on_fake
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 # the engine's options the planner models in both loops (the standard loop's counterpart of each); InBackwardOptions
 # gives their defaults
 PLANNED_OPTIONS = ("bucket_cap_mb", "per_parameter", "accumulation_steps", "max_grad_norm", "clip_mode",
-                   "track_grad_norm")
+                   "track_grad_norm", "random_draws")
 
 
 # -- planning -------------------------------------------------------------------------------------------------------
@@ -94,6 +94,7 @@ def _trace_loop(loop: str, model_fn: Callable[[], nn.Module], batch_fn: Callable
         job = Job(model, loop, loss_fn, optimizer_class, optimizer_kwargs, engine)
         job.autocast = autocast_dtype
         first = [batch_fn() for _ in range(micro)]
+        check_positions(built[0], first)  # the model as built, before a wrapper hides its attributes
         # the first step creates the optimizer state: traced too (unless only a warm step is asked for), its peak
         # planned when it is the larger
         first_peak = 0
@@ -218,7 +219,8 @@ def plan(
             ``communication``; none for NCCL, whose internal buffers are not torch's allocator's (not seen).
         **kwargs: the engine's options planned, as ``InBackwardOptimizer`` takes them, with its defaults
             (``bucket_cap_mb``, ``per_parameter``, ``accumulation_steps``, ``max_grad_norm``, ``clip_mode``,
-            ``track_grad_norm``; the others are refused), and ``optimizer_class``'s options (``lr``, ...). The
+            ``track_grad_norm``, and ``random_draws``, which changes the order of random draws, not memory; the
+            others are refused), and ``optimizer_class``'s options (``lr``, ...). The
             standard loop clips as ``clip_mode`` says. Under ``"ddp"`` and ``"fsdp2"`` the micro-batches accumulate
             as those wrappers do, in both loops: the first ``accumulation_steps - 1`` under ``model.no_sync()`` or
             ``model.set_requires_gradient_sync(False)``, the last one reducing (and, in backward, stepping).
