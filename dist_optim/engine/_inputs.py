@@ -6,6 +6,7 @@ multi-rank guard that keeps plain hooks from stepping on un-reduced gradients.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -122,6 +123,7 @@ def _fsdp1_module(module: nn.Module) -> nn.Module | None:
     return next((m for m in module.modules() if isinstance(m, FullyShardedDataParallel)), None)
 
 
+@functools.cache
 def _dtensor_class() -> type | tuple[()]:
     try:
         from torch.distributed.tensor import DTensor
