@@ -162,13 +162,16 @@ class _Search:
         return FitCandidate(s, peak, "traced", flops=flops, collective_bytes=comm,
                             cost_seconds=self.seconds(s, flops, comm))
 
+    def shallow_ok(self, s: FitSetting) -> bool:
+        """Whether ``s`` is extrapolated from shallow traces: a deep model whose shallow copies can checkpoint the
+        same share of their blocks."""
+        return self.blocks is not None and (s.checkpoint_blocks * self.DEPTHS[0]) % self.blocks == 0
+
     def corner(self, s: FitSetting) -> FitCandidate:
         """A group's corner: traced, or for a deep model extrapolated from two shallow traces of it."""
-        if self.blocks is None or s in self.memo:
+        if s in self.memo or not self.shallow_ok(s):
             return self.traced(s)
         d1, d2 = self.DEPTHS
-        if (s.checkpoint_blocks * d1) % self.blocks:  # the shallow models cannot checkpoint the same share
-            return self.traced(s)
         for d in (d1, d2):
             self.run((s, d))
         shallow = [self.shallow[s, d1], self.shallow[s, d2]]
@@ -186,7 +189,7 @@ class _Search:
         corners = [s] if group is None else [_at(s, m, k) for m in {group[0], group[1]} for k in {group[2], group[3]}]
         out: list[tuple[FitSetting, int | None]] = []
         for c in corners:
-            if self.blocks is None or c in self.memo or (c.checkpoint_blocks * self.DEPTHS[0]) % self.blocks:
+            if c in self.memo or not self.shallow_ok(c):
                 out += [] if c in self.memo else [(c, None)]
             else:
                 out += [(c, d) for d in self.DEPTHS if (c, d) not in self.shallow]

@@ -25,7 +25,7 @@ from torch.nn.modules.module import (
 from torch.overrides import TorchFunctionMode
 
 from dist_optim._torch_internals import TorchDispatchMode, tree_leaves
-from dist_optim.engine._inputs import _DTENSOR
+from dist_optim.engine._inputs import dtensor_class
 
 __all__: list[str] = []
 
@@ -72,7 +72,7 @@ class _Watch(TorchDispatchMode):
         self.failed: tuple[Any, nn.Module | None, BaseException] | None = None  # (operator, module, exception)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if any(issubclass(t, _DTENSOR) for t in types):  # DTensor runs its local operators with this mode on
+        if any(issubclass(t, dtensor_class()) for t in types):  # DTensor runs its local operators with this mode on
             return NotImplemented
         try:
             return func(*args, **(kwargs or {}))

@@ -19,7 +19,7 @@ from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dist_optim._torch_internals import TorchDispatchMode, tree_iter
-from dist_optim.engine._inputs import _DTENSOR, is_dtensor
+from dist_optim.engine._inputs import dtensor_class, is_dtensor
 
 __all__: list[str] = []
 
@@ -199,11 +199,12 @@ class MemoryTrace(TorchDispatchMode):
         return id(block)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if self._source is not None and func.namespace in _COLLECTIVES:
+        collective = func.namespace in _COLLECTIVES
+        if self._source is not None and collective:
             self._refresh()
         if self._followed:
             self._reread()
-        if any(issubclass(t, _DTENSOR) for t in types):
+        if any(issubclass(t, dtensor_class()) for t in types):
             # DTensor runs the operator with this trace still on: its local operators are seen, and the
             # redistributions of its inputs (an all-gather's output, alive while the local operator runs) with them
             return NotImplemented
@@ -212,7 +213,7 @@ class MemoryTrace(TorchDispatchMode):
         inside = self._workspaces(func, args, kwargs or {}) if self._workspaces is not None else 0
         workspace = self._transient(inside, workspace=True) if inside else None
         out = func(*args, **(kwargs or {}))
-        if func.namespace in _COLLECTIVES:
+        if collective:
             self.collective_bytes += max(_nbytes(args), _nbytes(out))
         if self.count_flops and func._overloadpacket in flop_registry:
             # FlopCounterMode's own formulas, without its module tracker: its autograd hooks keep a checkpointed

@@ -124,33 +124,20 @@ def _fsdp1_module(module: nn.Module) -> nn.Module | None:
 
 
 @functools.cache
-def _dtensor_class() -> type | tuple[()]:
+def dtensor_class() -> type | tuple[()]:
+    """``DTensor``, imported at the first call, not at import: ``torch.distributed.tensor`` costs ~0.8 CPU s (it pulls
+    in dynamo), which every process importing dist_optim would pay. ``()`` where torch is built without distributed
+    (``isinstance(x, ())`` is always False)."""
     try:
         from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed: isinstance(p, ()) is always False
+    except ImportError:
         return ()
     return DTensor
 
 
-class _LazyDTensorMeta(type):
-    """Importing ``torch.distributed.tensor`` costs ~0.8 CPU s (it pulls in dynamo), paid by every process that
-    imports dist_optim, a DDP rank or a one-process run included: the class is looked up at the first check."""
-
-    def __instancecheck__(cls, obj: object) -> bool:
-        return isinstance(obj, _dtensor_class())
-
-    def __subclasscheck__(cls, sub: type) -> bool:
-        return issubclass(sub, _dtensor_class())
-
-
-class _DTENSOR(metaclass=_LazyDTensorMeta):  # noqa: N801 (stands for DTensor in isinstance and issubclass)
-    """``isinstance(x, _DTENSOR)`` / ``issubclass(t, _DTENSOR)``: whether x / t is a DTensor, torch.distributed.tensor
-    imported at the first check (until a DTensor exists, nothing has imported it and none of the checks is true)."""
-
-
 def is_dtensor(p: torch.Tensor) -> bool:
     """A DTensor's gradient is produced by a distributed mechanism (FSDP2 reduce-scatters it before its hooks)."""
-    return isinstance(p, _DTENSOR)
+    return isinstance(p, dtensor_class())
 
 
 def check_single_process(allow_local_steps: bool, params: list[torch.Tensor] | None = None,
