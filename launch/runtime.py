@@ -74,13 +74,15 @@ class TermSignal:
             signal.signal(s, handler)
 
     def _note(self, signum: int, frame: Any) -> None:
-        if signum == signal.SIGINT and self.received is not None:
+        first = self.received is None
+        if signum == signal.SIGINT and not first:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt  # a second Ctrl-C: abort now, without the checkpoint
-        if self.received is None and signum == signal.SIGINT and self.announce:
+        # noted before the announcement: a second Ctrl-C may run this handler again in the middle of the print
+        self.received = self.received or ("Ctrl-C" if signum == signal.SIGINT else "SIGTERM")
+        if first and signum == signal.SIGINT and self.announce:
             print("\nCtrl-C: stopping after this step with a checkpoint (press Ctrl-C again to abort at once)",
                   file=sys.stderr, flush=True)
-        self.received = self.received or ("Ctrl-C" if signum == signal.SIGINT else "SIGTERM")
 
     def agreed(self, rt: Runtime) -> bool:
         """Whether any rank has received SIGTERM or a Ctrl-C: the signal reaches ranks at different steps (or only some of

@@ -432,22 +432,25 @@ def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_and_resumes_exac
 
 # -- at the terminal ------------------------------------------------------------------------------------------------
 def _interrupt(tmp_path: pathlib.Path, run: str, opts: list[str], signals: int) -> tuple[int, str]:
-    """Start a one-process run, send ``signals`` Ctrl-Cs (SIGINT) once it has logged 3 steps; its exit code and
-    output."""
+    """Start a one-process run and send it a Ctrl-C (SIGINT) once it has logged 3 steps; with ``signals=2`` a second
+    one as soon as it says it heard the first (Python runs one handler for two signals that arrive before it, so the
+    second waits for the first's line). Its exit code and output."""
     cmd = [sys.executable, *TRAIN, *TINY, *opts, "--run-dir", str(tmp_path / run)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    metrics = tmp_path / run / "metrics.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    lines: list[str] = []
     with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
         try:
-            while p.poll() is None and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-                time.sleep(0.02)
-            for _ in range(signals):
-                p.send_signal(signal.SIGINT)
-                time.sleep(0.05)
-            output, _ = p.communicate(timeout=240)
+            sent = 0
+            for line in p.stdout:
+                lines.append(line)
+                logged = sum(t.startswith("step ") for t in lines)
+                if sent == 0 and logged >= 3 or sent == 1 < signals and line.startswith("Ctrl-C: stopping"):
+                    p.send_signal(signal.SIGINT)
+                    sent += 1
+            p.wait(timeout=240)
         finally:
             p.kill()
-    return p.returncode, output
+    return p.returncode, "".join(lines)
 
 
 def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resumes_exactly(tmp_path):
@@ -466,7 +469,9 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resumes_exactly(tmp_p
 
 
 def test_a_second_ctrl_c_aborts_at_once(tmp_path):
-    code, output = _interrupt(tmp_path, "run", ["--steps", "200", "--log-every", "1"], signals=2)
+    # steps of ~0.1 s, so that the second Ctrl-C lands before the first's step and checkpoint are done
+    slower = ["--n-embd", "128", "--block-size", "128", "--batch-size", "16", "--steps", "200", "--log-every", "1"]
+    code, output = _interrupt(tmp_path, "run", slower, signals=2)
     assert code != 0 and "stopped after step" not in output, output[-4000:]
     assert not (tmp_path / "run" / "checkpoints").exists() or _steps_on_disk(tmp_path, "run") == []
 
