@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -105,8 +106,11 @@ class _RemoteTraceback(Exception):
 def _rank_main(rank: int, world: int, store_path: str, conn: Connection, dump_path: str, init: bool,
                backend: str) -> None:
     import torch
+    import torch._dynamo  # noqa: F401 - DDP, FSDP2, DTensor import it at first use: loaded and frozen once here
 
     torch.set_num_threads(1)
+    gc.collect()
+    gc.freeze()  # the modules' objects: gc's full collections (the scenarios', Python's own) skip them from now on
     dump = open(dump_path, "w")
     if hasattr(signal, "SIGUSR1"):  # the test process asks for every thread's stack when a scenario hangs
         faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
