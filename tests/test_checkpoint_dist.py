@@ -11,7 +11,6 @@ module fixture, so ``pytest -k "test_checkpoint_dist and 4-ranks"`` runs alone.
 from __future__ import annotations
 
 import copy
-import multiprocessing as mp
 import os
 import re
 import signal
@@ -293,22 +292,26 @@ def test_save_refuses_an_optimizer_that_trains_another_model(tmp_path):
 
 
 # -- two jobs saving the same checkpoint name at the same time -------------------------------------------------------
-def _paused_save(name: str, tmp: str, value: float) -> None:
-    """One single-process job: writes its shard, waits for ``<name>.go``, then finishes and commits."""
+def _wait_for(path: Path) -> None:
     import time
 
+    deadline = time.monotonic() + 120
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        time.sleep(0.05)
+
+
+def _paused_save(tmp_path: Path, name: str, value: float, go: str) -> None:
+    """One single-process job: writes its shard, waits for the file ``go``, then finishes and commits."""
     from torch.distributed.checkpoint import FileSystemWriter
 
-    torch.set_num_threads(1)
-    tmp_path = Path(tmp)
     original = FileSystemWriter.write_data
 
     def write_then_wait(self, plan, planner):
         written = original(self, plan, planner)
         written.wait()
         (tmp_path / f"{name}.written").touch()
-        while not (tmp_path / f"{name}.go").exists():
-            time.sleep(0.05)
+        _wait_for(tmp_path / go)
         return written
 
     FileSystemWriter.write_data = write_then_wait
@@ -320,30 +323,24 @@ def _paused_save(name: str, tmp: str, value: float) -> None:
         outcome = "saved"
     except BaseException as e:  # DCP's CheckpointException is one: report it like any other failure
         outcome = f"{type(e).__name__}: {e}"
+    finally:
+        FileSystemWriter.write_data = original  # the rank runs other scenarios after this one
     (tmp_path / f"{name}.result").write_text(outcome)
 
 
-def _wait_for(path: Path, process) -> None:
-    import time
+def _two_jobs(ctx, tmp: str) -> None:
+    """Rank 0 runs the first job and rank 1 the second, with no process group: two single-process jobs. The second
+    stages while the first is between its write and its commit, and commits after the first has."""
+    tmp_path = Path(tmp)
+    if ctx.rank == 0:
+        _paused_save(tmp_path, "first", 1.0, go="second.written")
+    else:
+        _wait_for(tmp_path / "first.written")
+        _paused_save(tmp_path, "second", 2.0, go="first.result")
 
-    deadline = time.monotonic() + 120
-    while not path.exists():
-        assert process.is_alive() and time.monotonic() < deadline, f"{path.name} never appeared"
-        time.sleep(0.05)
 
-
-def test_a_second_job_saving_the_same_name_never_breaks_the_first(tmp_path):
-    ctx = mp.get_context("spawn")
-    first = ctx.Process(target=_paused_save, args=("first", str(tmp_path), 1.0))
-    second = ctx.Process(target=_paused_save, args=("second", str(tmp_path), 2.0))
-    first.start()
-    _wait_for(tmp_path / "first.written", first)
-    second.start()  # stages while the first job is between its write and its commit
-    _wait_for(tmp_path / "second.written", second)
-    (tmp_path / "first.go").touch()
-    first.join(120)
-    (tmp_path / "second.go").touch()
-    second.join(120)
+def test_a_second_job_saving_the_same_name_never_breaks_the_first(ranks, tmp_path):
+    ranks.run_before_group(2, _two_jobs, tmp=str(tmp_path))
     outcomes = {n: (tmp_path / f"{n}.result").read_text() for n in ("first", "second")}
     assert outcomes["first"] == "saved", outcomes
     model = nn.Linear(4, 4)
