@@ -38,3 +38,16 @@ def ranks():
     pool = Pool()
     yield pool
     pool.close()
+
+
+# The files whose tests launch or spawn process groups for tens of seconds, slowest first: run before the rest, so
+# that under `pytest -n 2` the two workers end together on short tests instead of one waiting out the other's
+# minute-long launch at the end (the order within each file is kept)
+_FIRST = ("test_launch_tp.py", "test_plan_tp.py", "test_launch_pipeline.py", "test_plan_layouts.py", "test_fit.py",
+          "test_launch.py", "test_bench_distributed.py", "test_plan_pipeline.py", "test_launch_memory_settings.py",
+          "test_launch_plan.py", "test_docs.py", "test_bench_pipeline.py", "test_third_party.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(_FIRST)))  # stable: each file's own order kept
