@@ -107,7 +107,8 @@ import statistics
 import sys
 
 # torch, DTensor and DCP make ~300k objects as they import, and every full collection on the way walks all made so
-# far: 0.5 s of each process's start (a rank's), for nothing. Collected as usual from here on; main() freezes them.
+# far: 0.5 s of each process's start (a rank's), for nothing. Collected as usual from here on, the modules' objects
+# frozen (once a process, before any run: nothing of a run's is frozen), so a run's full collections skip them.
 _COLLECTING = gc.isenabled()
 gc.disable()
 
@@ -127,6 +128,7 @@ from .train_config import TrainConfig, parse_config
 from .train_loop import Job
 from .wrapping import resolve_parallel
 
+gc.freeze()
 if _COLLECTING:
     gc.enable()
 
@@ -239,7 +241,6 @@ def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done (or stopped by SIGTERM with a checkpoint), 2 a refused setting (one line), 1 a diverged
     run."""
     cfg = parse_config(argv)
-    gc.freeze()  # what the imports made stays alive all run: the run's full collections need not walk it
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if cfg.plan or cfg.fit or cfg.nproc is not None:  # no process group, no corpus: fake tensors of the job's shapes
         if int(os.environ.get("RANK", "0")):
