@@ -21,6 +21,7 @@ import time
 import warnings
 
 import pytest
+from torchrun_blocks import block_output, run_blocks
 
 from launch import train
 from launch.train_config import TrainConfig, parse_config
@@ -72,6 +73,23 @@ def _train(tmp: pathlib.Path, run: str, *args: str, nproc: int = 1, expect: int 
         return _main(argv, expect)
     launcher = [sys.executable] if nproc == 1 else [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc)]
     return _run([*launcher, *TRAIN, *argv], expect)
+
+
+def _train_runs(tmp: pathlib.Path, runs: list[tuple[str, list[str]]], nproc: int
+                ) -> list[subprocess.CompletedProcess]:
+    """Runs of the trainer (``(run, args)``, each as :func:`_train` would start it) one after the other on the ranks
+    of one torchrun launch, each ``launch.train.main`` with a process group of its own: the ranks' interpreters are
+    most of a launch's CPU. Every run must succeed; each one's stderr. A run that resumes, or whose process
+    history matters, goes first: a run after another in a process is from scratch (the trainer seeds each model)."""
+    blocks = [(f"{k}-{run}", f"import sys\nfrom launch import train\ncode = train.main("
+                             f"{[*TINY, '--run-dir', str(tmp / run), *args]!r})\nif code:\n    sys.exit(code)\n")
+              for k, (run, args) in enumerate(runs)]
+    folder = tmp / f"launch-{blocks[0][0]}"
+    folder.mkdir()
+    out = run_blocks(blocks, nproc, folder, cwd=ROOT, timeout=240)
+    assert out.returncode == 0, f"{runs}\nrc {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+    return [subprocess.CompletedProcess(args, 0, "", err)
+            for (_, args), err in zip(runs, block_output(out.stderr, [name for name, _ in blocks]))]
 
 
 def _losses(tmp: pathlib.Path, run: str) -> list[float]:
@@ -263,28 +281,29 @@ def _check_report(tmp: pathlib.Path, run: str, parallel: str) -> dict:
     return report
 
 
-def test_ddp_compare_in_backward_equals_standard(tmp_path):
-    _train(tmp_path, "cmp", "--parallel", "ddp", "--accumulation-steps", "2", "--max-grad-norm", "0.5",
-           "--compare", nproc=2)
+def test_ddp_compares_bitwise_with_exact_and_with_two_pass_clipping(tmp_path):
+    two_pass = ["--max-grad-norm", "0.05", "--clip-mode", "two_pass"]
+    _, out = _train_runs(tmp_path, [("cmp", ["--parallel", "ddp", "--accumulation-steps", "2", "--max-grad-norm", "0.5",
+                                             "--compare"]),
+                                    ("two_pass", ["--parallel", "ddp", *two_pass, "--compare"])], nproc=2)
     _check_report(tmp_path, "cmp", "ddp")
-
-
-@pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
-def test_two_pass_clipping_compares_bitwise(parallel, tmp_path):
-    out = _train(tmp_path, "cmp", "--parallel", parallel, "--max-grad-norm", "0.05", "--clip-mode", "two_pass",
-                 "--compare", nproc=2)
-    _check_report(tmp_path, "cmp", parallel)
+    _check_report(tmp_path, "two_pass", "ddp")
     assert "losses max |diff| 0" in out.stderr
 
 
-def test_fsdp2_compare_then_resume_on_two_and_on_one_process(tmp_path):
+def test_fsdp2_compares_bitwise_with_two_pass_clipping_and_resumes_on_two_and_on_one_process(tmp_path):
     opts = ["--accumulation-steps", "2", "--max-grad-norm", "0.5", "--clip-mode", "per_parameter"]
-    out = _train(tmp_path, "cmp", *opts, "--compare", nproc=2)  # FSDP2 is the default on 2 processes
+    two_pass = ["--max-grad-norm", "0.05", "--clip-mode", "two_pass"]
+    # FSDP2 is the default on 2 processes; the stopped run shares the comparisons' launch, its resume has its own
+    out, two_pass_out, _ = _train_runs(tmp_path, [
+        ("cmp", [*opts, "--compare"]), ("two_pass", [*two_pass, "--compare"]),
+        ("part", [*opts, "--stop-after", "2", "--checkpoint-every", "3"])], nproc=2)
     report = _check_report(tmp_path, "cmp", "fsdp2")
     full = report["losses"]["in_backward"]
     assert "losses max |diff| 0" in out.stderr
+    _check_report(tmp_path, "two_pass", "fsdp2")
+    assert "losses max |diff| 0" in two_pass_out.stderr
 
-    _train(tmp_path, "part", *opts, "--stop-after", "2", "--checkpoint-every", "3", nproc=2)
     _check_ranks_memory(tmp_path, "part", "in_backward")
     shutil.copytree(tmp_path / "part", tmp_path / "part1")
     _train(tmp_path, "part", *opts, "--resume", "latest", nproc=2)
