@@ -423,10 +423,8 @@ def _worker(agent: subprocess.Popen, local_rank: int, timeout: float = 120) -> i
 def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_and_resumes_exactly(tmp_path):
     """The uninterrupted run is the standard loop's (in backward equals it bitwise: the --compare tests), whose
     metrics carry each rank's memory (in backward: test_fsdp2_compare_then_resume_on_two_and_on_one_process's run);
-    one 2-rank launch checks both."""
+    one 2-rank launch checks both, and the resume's launch runs it after the resume."""
     opts = ["--steps", "60", "--batch-size", "32", "--log-every", "1"]
-    _train(tmp_path, "full", *opts, "--optimizer-mode", "standard", nproc=2)
-    _check_ranks_memory(tmp_path, "full", "standard")
     run = tmp_path / "run"
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "2", *TRAIN, *TINY, *opts, "--run-dir", str(run)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -444,7 +442,9 @@ def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_and_resumes_exac
     stopped = [int(s) for s in re.findall(r"SIGTERM: stopped after step (\d+)", output)]
     assert len(stopped) == 1 and stopped[0] < 59, output[-4000:]
     assert _steps_on_disk(tmp_path, "run") == stopped and len(_losses(tmp_path, "run")) == stopped[0] + 1
-    _train(tmp_path, "run", *opts, "--resume", "latest", nproc=2)
+    _train_runs(tmp_path, [("run", [*opts, "--resume", "latest"]), ("full", [*opts, "--optimizer-mode", "standard"])],
+                nproc=2)
+    _check_ranks_memory(tmp_path, "full", "standard")
     assert _losses(tmp_path, "run") == _losses(tmp_path, "full"), "stopped by SIGTERM and resumed in backward != " \
         "the standard loop's uninterrupted run"
 
