@@ -75,21 +75,25 @@ def _train(tmp: pathlib.Path, run: str, *args: str, nproc: int = 1, expect: int 
     return _run([*launcher, *TRAIN, *argv], expect)
 
 
-def _train_runs(tmp: pathlib.Path, runs: list[tuple[str, list[str]]], nproc: int
+def _train_runs(tmp: pathlib.Path, runs: list[tuple[str, list[str]]], nproc: int, expect: int = 0
                 ) -> list[subprocess.CompletedProcess]:
     """Runs of the trainer (``(run, args)``, each as :func:`_train` would start it) one after the other on the ranks
     of one torchrun launch, each ``launch.train.main`` with a process group of its own: the ranks' interpreters are
-    most of a launch's CPU. Every run must succeed; each one's stderr. A run that resumes, or whose process
-    history matters, goes first: a run after another in a process is from scratch (the trainer seeds each model)."""
+    most of a launch's CPU. Every run must succeed, or with ``expect`` (torchrun's exit code) the last one fail; each
+    one's stderr. A run that resumes, or whose process history matters, goes first: a run after another in a process
+    is from scratch (the trainer seeds each model)."""
     blocks = [(f"{k}-{run}", f"import sys\nfrom launch import train\ncode = train.main("
                              f"{[*TINY, '--run-dir', str(tmp / run), *args]!r})\nif code:\n    sys.exit(code)\n")
               for k, (run, args) in enumerate(runs)]
     folder = tmp / f"launch-{blocks[0][0]}"
     folder.mkdir()
     out = run_blocks(blocks, nproc, folder, cwd=ROOT, timeout=240)
-    assert out.returncode == 0, f"{runs}\nrc {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
-    return [subprocess.CompletedProcess(args, 0, "", err)
-            for (_, args), err in zip(runs, block_output(out.stderr, [name for name, _ in blocks]))]
+    assert out.returncode == expect, f"{runs}\nrc {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+    finished = [name for name, _ in blocks][:len(blocks) - bool(expect)]
+    parts = block_output(out.stderr, finished)
+    if expect:  # the failed run's output: whatever follows the last one that finished
+        parts.append(out.stderr.split(f"ran {finished[-1]}\n", 1)[1] if finished else out.stderr)
+    return [subprocess.CompletedProcess(args, 0, "", err) for (_, args), err in zip(runs, parts)]
 
 
 def _losses(tmp: pathlib.Path, run: str) -> list[float]:
