@@ -285,28 +285,23 @@ def _check_report(tmp: pathlib.Path, run: str, parallel: str) -> dict:
     return report
 
 
-def test_ddp_compares_bitwise_with_exact_and_with_two_pass_clipping(tmp_path):
-    two_pass = ["--max-grad-norm", "0.05", "--clip-mode", "two_pass"]
-    _, out = _train_runs(tmp_path, [("cmp", ["--parallel", "ddp", "--accumulation-steps", "2", "--max-grad-norm", "0.5",
-                                             "--compare"]),
-                                    ("two_pass", ["--parallel", "ddp", *two_pass, "--compare"])], nproc=2)
-    _check_report(tmp_path, "cmp", "ddp")
-    _check_report(tmp_path, "two_pass", "ddp")
-    assert "losses max |diff| 0" in out.stderr
-
-
-def test_fsdp2_compares_bitwise_with_two_pass_clipping_and_resumes_on_two_and_on_one_process(tmp_path):
+def test_ddp_and_fsdp2_compare_bitwise_with_clipping_and_fsdp2_resumes_on_two_and_on_one_process(tmp_path):
     opts = ["--accumulation-steps", "2", "--max-grad-norm", "0.5", "--clip-mode", "per_parameter"]
     two_pass = ["--max-grad-norm", "0.05", "--clip-mode", "two_pass"]
-    # FSDP2 is the default on 2 processes; the stopped run shares the comparisons' launch, its resume has its own
-    out, two_pass_out, _ = _train_runs(tmp_path, [
+    ddp = ["--parallel", "ddp"]
+    # FSDP2 is the default on 2 processes; the comparisons and the stopped run share a launch, the resume has its own
+    out, two_pass_out, _, ddp_two_pass_out, _ = _train_runs(tmp_path, [
         ("cmp", [*opts, "--compare"]), ("two_pass", [*two_pass, "--compare"]),
+        ("ddp", [*ddp, "--accumulation-steps", "2", "--max-grad-norm", "0.5", "--compare"]),
+        ("ddp_two_pass", [*ddp, *two_pass, "--compare"]),
         ("part", [*opts, "--stop-after", "2", "--checkpoint-every", "3"])], nproc=2)
     report = _check_report(tmp_path, "cmp", "fsdp2")
     full = report["losses"]["in_backward"]
     assert "losses max |diff| 0" in out.stderr
-    _check_report(tmp_path, "two_pass", "fsdp2")
-    assert "losses max |diff| 0" in two_pass_out.stderr
+    for run, parallel, output in [("two_pass", "fsdp2", two_pass_out), ("ddp_two_pass", "ddp", ddp_two_pass_out)]:
+        _check_report(tmp_path, run, parallel)
+        assert "losses max |diff| 0" in output.stderr
+    _check_report(tmp_path, "ddp", "ddp")
 
     _check_ranks_memory(tmp_path, "part", "in_backward")
     shutil.copytree(tmp_path / "part", tmp_path / "part1")
