@@ -75,11 +75,11 @@ def _train(tmp: pathlib.Path, run: str, *args: str, nproc: int = 1, expect: int 
     return _run([*launcher, *TRAIN, *argv], expect)
 
 
-def _train_runs(tmp: pathlib.Path, runs: list[tuple[str, list[str]]], nproc: int, expect: int = 0
+def _train_runs(tmp: pathlib.Path, runs: list[tuple[str, list[str]]], nproc: int | None, expect: int = 0
                 ) -> list[subprocess.CompletedProcess]:
     """Runs of the trainer (``(run, args)``, each as :func:`_train` would start it) one after the other on the ranks
-    of one torchrun launch, each ``launch.train.main`` with a process group of its own: the ranks' interpreters are
-    most of a launch's CPU. Every run must succeed, or with ``expect`` (torchrun's exit code) the last one fail; each
+    of one torchrun launch (``nproc=None``: in one process of their own, without torchrun), each
+    ``launch.train.main`` with a process group of its own: the ranks' interpreters are most of a launch's CPU. Every run must succeed, or with ``expect`` (torchrun's exit code) the last one fail; each
     one's stderr. A run that resumes, or whose process history matters, goes first: a run after another in a process
     is from scratch (the trainer seeds each model)."""
     blocks = [(f"{k}-{run}", f"import sys\nfrom launch import train\ncode = train.main("
@@ -220,10 +220,16 @@ def test_optimizer_by_name_compares_bitwise_reports_bytes_per_param_and_resumes_
     the losses of the run that never stopped, bitwise (torchao's quantised states go through dist_optim.checkpoint:
     codes and scales, rebuilt as the same class)."""
     pytest.importorskip(module)
-    # torchao compiles its step: dynamo's recompile limit, reached in this process, would run it eagerly; each of
-    # its runs compiles afresh in a process of its own
+    # torchao compiles its step: dynamo's recompile limit, reached in this process, would run it eagerly; its runs
+    # compile afresh in processes of their own: the comparison and the stopped run in one, the resume in another
     own = module == "torchao.optim"
-    _train(tmp_path, "cmp", "--optimizer", optimizer, "--compare", own_process=own)
+    runs = [("cmp", ["--optimizer", optimizer, "--compare"]),
+            ("part", ["--optimizer", optimizer, "--stop-after", "2", "--checkpoint-every", "2"])]
+    if own:
+        _train_runs(tmp_path, runs, nproc=None)
+    else:
+        for run, args in runs:
+            _train(tmp_path, run, *args)
     report = json.loads((tmp_path / "cmp" / "compare" / "report.json").read_text())
     assert report["config"]["optimizer"] == optimizer
     assert report["losses_bitwise_equal"] and report["max_abs_loss_diff"] == 0.0
@@ -236,8 +242,6 @@ def test_optimizer_by_name_compares_bitwise_reports_bytes_per_param_and_resumes_
         assert report["bytes_per_param"][mode][0] > held[mode][0]
     markdown = (tmp_path / "cmp" / "compare" / "report.md").read_text()
     assert f"## Bytes per parameter (`--optimizer {optimizer}`)" in markdown
-    _train(tmp_path, "part", "--optimizer", optimizer, "--stop-after", "2", "--checkpoint-every", "2",
-           own_process=own)
     _train(tmp_path, "part", "--optimizer", optimizer, "--resume", "latest", own_process=own)
     assert _losses(tmp_path, "part") == report["losses"]["in_backward"]
 

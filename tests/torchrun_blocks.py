@@ -39,18 +39,19 @@ def _free_ports(n: int) -> list[int]:
         return [s.getsockname()[1] for s in socks]
 
 
-def run_blocks(blocks: list[tuple[str, str]], nproc: int, folder: pathlib.Path, cwd: pathlib.Path,
+def run_blocks(blocks: list[tuple[str, str]], nproc: int | None, folder: pathlib.Path, cwd: pathlib.Path,
                timeout: float = 300) -> subprocess.CompletedProcess:
     """``blocks`` ((name, code), names unique) one after the other on the ranks of one ``torchrun --standalone
-    --nproc-per-node NPROC`` job, run in ``cwd`` with the repository importable; the script and the blocks are
-    written to ``folder``. A block that raises (or exits) ends its rank, and the launch fails."""
+    --nproc-per-node NPROC`` job (``nproc=None``: in one plain process, no torchrun), run in ``cwd`` with the
+    repository importable; the script and the blocks are written to ``folder``. A block that raises (or exits) ends
+    its rank, and the launch fails."""
     (folder / "blocks.json").write_text(json.dumps(blocks))
     (folder / "each_block.py").write_text(EACH_BLOCK)
     ports = ",".join(map(str, _free_ports(len(blocks))))
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    launcher = [] if nproc is None else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         str(folder / "each_block.py"), str(folder / "blocks.json"), ports],
+        [sys.executable, *launcher, str(folder / "each_block.py"), str(folder / "blocks.json"), ports],
         cwd=cwd, capture_output=True, text=True, timeout=timeout,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path},
     )
