@@ -17,7 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Each block with globals and a process group of its own: env:// on a port of its own (a TCPStore of its own, hosted
 # by rank 0, instead of the agent's, which a second process group in the same processes would find holding the first
 # one's keys), and Python's warnings shown again as in a process of its own ("default": once per place, per block).
-# "ran NAME" on stdout and stderr after each block, on each rank: where one block's output ends.
+# "ran NAME" on stdout and stderr after each block, on each rank: where one block's output ends; one write each, so
+# that two ranks' lines never interleave.
 EACH_BLOCK = """
 import json, os, sys, warnings
 os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
@@ -26,8 +27,9 @@ for (name, code), port in zip(blocks, ports):
     os.environ["MASTER_PORT"] = port
     with warnings.catch_warnings():
         exec(compile(code, name, "exec"), {"__name__": "__main__"})
-    print("ran", name, flush=True)
-    print("ran", name, file=sys.stderr, flush=True)
+    for stream in (sys.stdout, sys.stderr):  # one write: unbuffered (PYTHONUNBUFFERED), print() writes in pieces
+        stream.write(f"ran {name}\n")
+        stream.flush()
 """
 
 
