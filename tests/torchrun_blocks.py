@@ -28,7 +28,7 @@ for (name, code), port in zip(blocks, ports):
     with warnings.catch_warnings():
         exec(compile(code, name, "exec"), {"__name__": "__main__"})
     for stream in (sys.stdout, sys.stderr):  # one write: unbuffered (PYTHONUNBUFFERED), print() writes in pieces
-        stream.write(f"ran {name}\n")
+        stream.write(f"ran {name}\\n")
         stream.flush()
 """
 
