@@ -47,7 +47,7 @@ def test_a_low_bit_state_extrapolated_from_two_probes_is_the_state_made_for_real
     cls = bench.low_bit(name)
     for numel in (300_000, 300_032, 299_999):  # aligned to the blocks or not: the branch each class takes
         assert _lowbit.state_bytes(cls, (("lr", 1e-3),), numel, torch.float32) == \
-            _lowbit._state_bytes(cls, {"lr": 1e-3}, numel, torch.float32)
+            _lowbit._state_bytes(cls, {"lr": 1e-3}, numel, torch.float32)[0]
 
 
 def test_a_convolution_too_large_to_calibrate_is_run_on_a_cut_batch_and_scaled(monkeypatch):
