@@ -23,7 +23,6 @@ allocate as tensors, which the plan cannot see.
 from __future__ import annotations
 
 import argparse
-import gc
 from typing import Any
 
 import torch
@@ -101,7 +100,7 @@ def _rank(rank: int, args: argparse.Namespace) -> dict[str, Any]:
 
     shim = h.HeapShim.required()
     model_fn, batch_fn, loss = _builders(tuple(args.shape))
-    gc.collect()
+    h.freeze_survivors()  # the modules the previous row imported too (DDP's torch._dynamo, ...)
     base = shim.lib.shim_current()
     torch.manual_seed(0)
     layout = dict(args.layout)

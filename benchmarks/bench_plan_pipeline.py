@@ -65,7 +65,7 @@ def _rank(rank: int, args: argparse.Namespace) -> dict[str, Any]:
 
     shim = h.HeapShim.required()
     model_fn, batch_fn, _ = _builders(tuple(args.shape))
-    gc.collect()
+    h.freeze_survivors()  # the modules the previous row imported too (DDP's torch._dynamo, ...)
     base = shim.lib.shim_current()
     torch.manual_seed(0)
     module = gpt_stage(model_fn(), rank, WORLD)  # the whole model built, this stage kept, as the trainer does

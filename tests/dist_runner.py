@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -45,16 +46,20 @@ class RankContext:
     store_path: str
     cache: dict = field(default_factory=dict)  # per-rank objects a scenario may reuse (a device mesh, ...)
     backend: str = "gloo"  # "nccl": rank r runs on cuda:r
+    groups: int = 0  # process groups this rank has joined: each one rendezvous on a FileStore of its own
 
     def init_process_group(self) -> None:
-        """For ``run_fresh(..., init=False)``: a scenario that must do something before the group exists."""
+        """For ``run_fresh(..., init=False)`` and ``Pool.run_before_group``: a scenario that must do something
+        before the group exists."""
         import torch
         import torch.distributed as dist
 
         if self.backend == "nccl":  # NCCL needs one device per rank, chosen before the communicator exists
             torch.cuda.set_device(self.rank)
+        store = f"{self.store_path}.{self.groups}"  # every rank joins its groups in the same order: the same file
+        self.groups += 1
         dist.init_process_group(
-            self.backend, store=dist.FileStore(self.store_path, self.world), rank=self.rank, world_size=self.world,
+            self.backend, store=dist.FileStore(store, self.world), rank=self.rank, world_size=self.world,
             # longer than the runner's timeout: the runner, not gloo, reports a hang, with each rank's stack
             timeout=datetime.timedelta(seconds=4 * SCENARIO_TIMEOUT),
         )
@@ -63,6 +68,18 @@ class RankContext:
         if key not in self.cache:
             self.cache[key] = make()
         return self.cache[key]
+
+    def leave_group(self) -> None:
+        """Destroy this rank's process group, and the objects cached on it (device meshes): a rank of the session
+        becomes a process before its group, without paying for a new interpreter."""
+        import gc
+
+        import torch.distributed as dist
+
+        self.cache.clear()
+        gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 class RankError(AssertionError):
@@ -89,11 +106,16 @@ class _RemoteTraceback(Exception):
 def _rank_main(rank: int, world: int, store_path: str, conn: Connection, dump_path: str, init: bool,
                backend: str) -> None:
     import torch
+    import torch._dynamo  # noqa: F401 - DDP, FSDP2, DTensor import it at first use: loaded and frozen once here
 
     torch.set_num_threads(1)
+    gc.collect()
+    gc.freeze()  # the modules' objects: gc's full collections (the scenarios', Python's own) skip them from now on
     dump = open(dump_path, "w")
     if hasattr(signal, "SIGUSR1"):  # the test process asks for every thread's stack when a scenario hangs
         faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+    import torch.distributed as dist
+
     ctx = RankContext(rank, world, store_path, backend=backend)
     if init:
         ctx.init_process_group()
@@ -105,9 +127,16 @@ def _rank_main(rank: int, world: int, store_path: str, conn: Connection, dump_pa
             break
         if message is None:
             break
-        fn, kwargs = message
+        fn, kwargs, before_group = message
         try:
-            conn.send(("ok", fn(ctx, **kwargs)))
+            if before_group:
+                ctx.leave_group()
+            result = fn(ctx, **kwargs)
+            if before_group:  # the next scenario finds a group up, as ever; a group the scenario left up is one
+                ctx.cache.clear()
+                if not dist.is_initialized():
+                    ctx.init_process_group()
+            conn.send(("ok", result))
         except BaseException as e:  # pytest.raises' "DID NOT RAISE" is no Exception
             text = "".join(traceback.format_exception(e))
             try:
@@ -115,8 +144,6 @@ def _rank_main(rank: int, world: int, store_path: str, conn: Connection, dump_pa
             except Exception:
                 payload = None
             conn.send(("error", (payload, text)))
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -149,17 +176,20 @@ class Group:
         self.broken = False
         self._started = False
 
-    def run(self, fn: Callable, /, timeout: float = SCENARIO_TIMEOUT, **kwargs) -> list:
+    def run(self, fn: Callable, /, timeout: float = SCENARIO_TIMEOUT, *, before_group: bool = False,
+            **kwargs) -> list:
         """Run ``fn(ctx, **kwargs)`` on every rank (``fn`` a module-level function, ``kwargs`` picklable); return
         each rank's result. Raises the first failing rank's exception, :class:`RankDied` or :class:`ScenarioTimeout`;
-        after any of them the group is ``broken`` (ranks may be out of step) and closed."""
+        after any of them the group is ``broken`` (ranks may be out of step) and closed. ``before_group``: the
+        ranks leave their process group first (:meth:`RankContext.leave_group`), ``fn`` calls
+        ``ctx.init_process_group()`` itself, and the ranks join a new group after it if it left none up."""
         if self.broken:
             raise RuntimeError("this group failed before: ask the pool for a new one")
         if not self._started:  # start-up (spawn, import torch, rendezvous) is not the scenario's time
             self._collect("start-up of the group", SCENARIO_TIMEOUT)
             self._started = True
         for conn in self._conns:
-            conn.send((fn, kwargs))
+            conn.send((fn, kwargs, before_group))
         return self._collect(_name(fn, kwargs), timeout)
 
     def _collect(self, name: str, timeout: float) -> list:
@@ -265,6 +295,13 @@ class Pool:
         if group is None or group.broken:
             group = self._groups[world] = Group(world, backend=self.backend)
         return group.run(fn, timeout, **kwargs)
+
+    def run_before_group(self, world: int, fn: Callable, /, timeout: float = SCENARIO_TIMEOUT, **kwargs) -> list:
+        """:meth:`run` for a scenario that must do something before ``init_process_group`` (attach an optimizer,
+        build a model) and calls ``ctx.init_process_group()`` itself: the session's ranks leave their group for it
+        instead of a group of new interpreters (``run_fresh(..., init=False)``), whose start is what such a test
+        costs."""
+        return self.run(world, fn, timeout, before_group=True, **kwargs)
 
     def close(self) -> None:
         for group in self._groups.values():

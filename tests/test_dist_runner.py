@@ -1,5 +1,6 @@
 """The distributed test runner itself: results come back per rank, a rank's failure is raised in the test with the
-rank's traceback, a hung rank is named with its stack, a dead rank is reported, and a failed group is replaced."""
+rank's traceback, a hung rank is named with its stack, a dead rank is reported, a failed group is replaced, and a
+scenario that must start before the process group runs on the session's ranks."""
 
 from __future__ import annotations
 
@@ -34,8 +35,30 @@ def _rank_1_dies(ctx):
     dist.barrier()
 
 
+def _joins_a_group_of_its_own(ctx, leave):
+    assert not dist.is_initialized() and ctx.cache == {}  # the session's group and what was cached on it are gone
+    ctx.init_process_group()
+    rank, total = _rank_and_sum(ctx, offset=100)
+    if leave:
+        dist.destroy_process_group()
+    return rank, total
+
+
 def test_each_rank_runs_the_scenario_and_returns_its_result(ranks):
     assert ranks.run(2, _rank_and_sum, offset=10) == [(0, 21), (1, 21)]
+
+
+@pytest.mark.parametrize("leave", [False, True], ids=["group-left-up", "group-destroyed"])
+def test_a_scenario_before_the_group_runs_on_the_session_ranks_which_join_a_group_again(ranks, leave):
+    ranks.run(2, _cache_a_mesh)
+    assert ranks.run_before_group(2, _joins_a_group_of_its_own, leave=leave) == [(0, 201), (1, 201)]
+    assert ranks.run(2, _rank_and_sum, offset=10) == [(0, 21), (1, 21)]  # the same ranks, in a group again
+
+
+def _cache_a_mesh(ctx):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ctx.cached("mesh", lambda: init_device_mesh("cpu", (ctx.world,)))
 
 
 def test_a_rank_failure_is_raised_with_the_rank_traceback_and_the_group_replaced(ranks):

@@ -1,7 +1,7 @@
 """In a multi-rank job, plain hooks would step on local, un-reduced gradients: refused unless asked for.
 
-Real gloo process groups: 2 ranks of their own (tests/dist_runner.py), since the models are built before the
-process group exists.
+Real gloo process groups (tests/dist_runner.py); the models are built before the process group exists: the ranks
+leave theirs first (``ranks.run_before_group``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from dist_runner import run_fresh
 from helpers import (
     assert_same_params,
     batches,
@@ -70,8 +69,8 @@ def _worker(ctx) -> None:
         dist.destroy_process_group()
 
 
-def test_multi_rank_job_without_a_wrapper_is_refused():
-    run_fresh(2, _worker, init=False)
+def test_multi_rank_job_without_a_wrapper_is_refused(ranks):
+    ranks.run_before_group(2, _worker)
 
 
 def _options_differ(ctx) -> None:

@@ -5,7 +5,7 @@ torch's DDP steps parameters that carry ``_in_backward_optimizers`` from its own
 end-of-backward callback needs an accelerator. On a build without one the pair refuses before anything steps; on
 a build with one, the results equal DDP + the standard loop. On FSDP2 a resumed run ends bitwise where an
 uninterrupted FSDP2 run with the standard loop ends. Scenarios run on the shared gloo ranks (tests/dist_runner.py);
-those that attach the pair before the process group exists get ranks of their own.
+for those that attach the pair before the process group exists the ranks leave their group first.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
-from dist_runner import run_fresh
 from helpers import (
     ADAMW_HPARAMS,
     WIDTH,
@@ -177,8 +176,8 @@ def test_fsdp1_with_the_group_up_equals_fsdp1_and_the_standard_loop(ranks, cls, 
 
 
 @pytest.mark.parametrize("cls,kwargs", FSDP1_OPTIMIZERS, ids=["AdamW-fused", "SGD-momentum-foreach"])
-def test_fsdp1_attach_before_the_group_equals_fsdp1_and_the_standard_loop(cls, kwargs):
-    run_fresh(2, _fsdp1_pair, init=False, cls=cls, kwargs=kwargs, order="agw")
+def test_fsdp1_attach_before_the_group_equals_fsdp1_and_the_standard_loop(ranks, cls, kwargs):
+    ranks.run_before_group(2, _fsdp1_pair, cls=cls, kwargs=kwargs, order="agw")
 
 
 def _ddp_wrapped_model_is_freed(ctx):
@@ -267,12 +266,12 @@ def test_refused_at_the_first_backward_without_an_accelerator(ranks, wrap_first)
 
 
 @pytest.mark.skipif(ACCELERATOR, reason="with an accelerator torch's DDP steps the pair (test_ddp_equals_*)")
-def test_refused_in_the_first_backward_without_an_accelerator():
-    run_fresh(2, _refused_in_the_first_backward, init=False)
+def test_refused_in_the_first_backward_without_an_accelerator(ranks):
+    ranks.run_before_group(2, _refused_in_the_first_backward)
 
 
-def test_ddp_wrapped_model_is_freed():
-    run_fresh(2, _ddp_wrapped_model_is_freed, init=False)
+def test_ddp_wrapped_model_is_freed(ranks):
+    ranks.run_before_group(2, _ddp_wrapped_model_is_freed)
 
 
 def test_fsdp2_dcp_resume_is_exact(ranks, tmp_path):
