@@ -15,6 +15,8 @@ rows also print each class's step temporaries per element (``STEP_BYTES``), meas
 
 from __future__ import annotations
 
+import gc
+import multiprocessing
 from typing import Any
 
 import torch
@@ -22,6 +24,9 @@ from torch import nn
 
 from benchmarks import harness as h
 from benchmarks.bench_plan import _builders, compare_job, print_rows
+from dist_optim import plan
+from dist_optim._planner import _outside
+from dist_optim._planner._step import LOOPS, Job
 
 CLASSES = 10
 IMAGE = 32  # pixels a side
@@ -158,6 +163,44 @@ def row(label: str) -> dict[str, Any]:
     builders, (cls, kwargs), engine = ROWS[label]
     cls = low_bit(cls) if isinstance(cls, str) else cls
     return compare_job(*builders(), cls, kwargs, engine)
+
+
+def kept_outside(labels: tuple[str, ...], side: str) -> dict[str, int | None]:
+    """In this process, row after row: what the plan measured its kernels keep outside torch's allocator
+    (``side="planned"``), or what two steps of each loop run for real left outside it once everything is freed
+    (``"measured"``), after a step of a small other model (imports and one-time set-up, on both sides). A kernel
+    shows it on its first run in a process: call in a fresh one (:func:`outside`)."""
+    torch.set_num_threads(1)
+    for loop in LOOPS:  # what a first step imports and sets up once (tens of MiB of modules), not a kernel's
+        Job(nn.Linear(3, 5), loop, lambda m, x: m(x).sum(), torch.optim.AdamW, {"lr": 1e-3}, {}).step(
+            [torch.randn(2, 3)])
+    gc.collect()
+    out: dict[str, int | None] = {}
+    for label in labels:
+        builders, (cls, kwargs), engine = ROWS[label]
+        cls = low_bit(cls) if isinstance(cls, str) else cls
+        model_fn, batch_fn, loss = builders()
+        if side == "planned":
+            out[label] = plan(model_fn, batch_fn, loss, cls, **engine, **kwargs).outside_bytes
+            continue
+        before = _outside.outside_bytes()
+        for loop in LOOPS:
+            torch.manual_seed(0)
+            job = Job(model_fn(), loop, loss, cls, kwargs, engine)
+            for _ in range(2):
+                job.step([batch_fn()])
+            del job
+        gc.collect()
+        out[label] = _outside.outside_bytes() - before
+    return out
+
+
+def outside(labels: tuple[str, ...]) -> dict[str, dict[str, int | None]]:
+    """Planned against measured, each side in a fresh process of its own: ``{label: {"planned", "measured"}}``."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1, maxtasksperchild=1) as pool:
+        sides = {side: pool.apply(kept_outside, (labels, side)) for side in ("planned", "measured")}
+    return {label: {side: sides[side][label] for side in sides} for label in labels}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

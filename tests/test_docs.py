@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import doctest
 import importlib
-import json
-import os
 import pathlib
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
+from torchrun_blocks import run_blocks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
@@ -72,40 +69,11 @@ def _torchrun_blocks() -> dict[int, list[tuple[str, str]]]:
     return blocks
 
 
-# Each block in turn on one torchrun job's ranks, with globals and a process group of its own: env:// on a port of
-# its own (a TCPStore of its own, hosted by rank 0, instead of the agent's, which a second process group in the same
-# processes would find holding the first one's keys). Interpreters, not the examples, are what a launch costs.
-EACH_BLOCK = """
-import json, os, sys
-os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
-blocks, ports = json.load(open(sys.argv[1])), sys.argv[2].split(",")
-for (name, code), port in zip(blocks, ports):
-    os.environ["MASTER_PORT"] = port
-    exec(compile(code, name, "exec"), {"__name__": "__main__"})
-    print("ran", name, flush=True)
-"""
-
-
-def _free_ports(n: int) -> list[int]:
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-
-
 @pytest.mark.parametrize("nproc", sorted(_torchrun_blocks()))
 def test_doc_torchrun_examples_run(nproc, tmp_path):
     """Blocks marked ``<!-- torchrun N -->`` are whole scripts: run them as the docs say, on N CPU processes (those
     of one N one after the other in one torchrun job; a failure's traceback names its block, page-k)."""
     blocks = _torchrun_blocks()[nproc]
-    (tmp_path / "blocks.json").write_text(json.dumps(blocks))
-    (tmp_path / "each_block.py").write_text(EACH_BLOCK)
-    ports = ",".join(map(str, _free_ports(len(blocks))))
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "each_block.py",
-         "blocks.json", ports],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    out = run_blocks(blocks, nproc, tmp_path, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.splitlines().count(f"ran {blocks[-1][0]}") == nproc  # every block ran on every rank

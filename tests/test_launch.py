@@ -21,6 +21,7 @@ import time
 import warnings
 
 import pytest
+from torchrun_blocks import block_output, run_blocks
 
 from launch import train
 from launch.train_config import TrainConfig, parse_config
@@ -72,6 +73,27 @@ def _train(tmp: pathlib.Path, run: str, *args: str, nproc: int = 1, expect: int 
         return _main(argv, expect)
     launcher = [sys.executable] if nproc == 1 else [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc)]
     return _run([*launcher, *TRAIN, *argv], expect)
+
+
+def _train_runs(tmp: pathlib.Path, runs: list[tuple[str, list[str]]], nproc: int | None, expect: int = 0
+                ) -> list[subprocess.CompletedProcess]:
+    """Runs of the trainer (``(run, args)``, each as :func:`_train` would start it) one after the other on the ranks
+    of one torchrun launch (``nproc=None``: in one process of their own, without torchrun), each
+    ``launch.train.main`` with a process group of its own: the ranks' interpreters are most of a launch's CPU. Every run must succeed, or with ``expect`` (torchrun's exit code) the last one fail; each
+    one's stderr. A run that resumes, or whose process history matters, goes first: a run after another in a process
+    is from scratch (the trainer seeds each model)."""
+    blocks = [(f"{k}-{run}", f"import sys\nfrom launch import train\ncode = train.main("
+                             f"{[*TINY, '--run-dir', str(tmp / run), *args]!r})\nif code:\n    sys.exit(code)\n")
+              for k, (run, args) in enumerate(runs)]
+    folder = tmp / f"launch-{blocks[0][0]}"
+    folder.mkdir()
+    out = run_blocks(blocks, nproc, folder, cwd=ROOT, timeout=240)
+    assert out.returncode == expect, f"{runs}\nrc {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+    finished = [name for name, _ in blocks][:len(blocks) - bool(expect)]
+    parts = block_output(out.stderr, finished)
+    if expect:  # the failed run's output: whatever follows the last one that finished
+        parts.append(out.stderr.split(f"ran {finished[-1]}\n", 1)[1] if finished else out.stderr)
+    return [subprocess.CompletedProcess(args, 0, "", err) for (_, args), err in zip(runs, parts)]
 
 
 def _losses(tmp: pathlib.Path, run: str) -> list[float]:
@@ -198,10 +220,16 @@ def test_optimizer_by_name_compares_bitwise_reports_bytes_per_param_and_resumes_
     the losses of the run that never stopped, bitwise (torchao's quantised states go through dist_optim.checkpoint:
     codes and scales, rebuilt as the same class)."""
     pytest.importorskip(module)
-    # torchao compiles its step: dynamo's recompile limit, reached in this process, would run it eagerly; each of
-    # its runs compiles afresh in a process of its own
+    # torchao compiles its step: dynamo's recompile limit, reached in this process, would run it eagerly; its runs
+    # compile afresh in processes of their own: the comparison and the stopped run in one, the resume in another
     own = module == "torchao.optim"
-    _train(tmp_path, "cmp", "--optimizer", optimizer, "--compare", own_process=own)
+    runs = [("cmp", ["--optimizer", optimizer, "--compare"]),
+            ("part", ["--optimizer", optimizer, "--stop-after", "2", "--checkpoint-every", "2"])]
+    if own:
+        _train_runs(tmp_path, runs, nproc=None)
+    else:
+        for run, args in runs:
+            _train(tmp_path, run, *args)
     report = json.loads((tmp_path / "cmp" / "compare" / "report.json").read_text())
     assert report["config"]["optimizer"] == optimizer
     assert report["losses_bitwise_equal"] and report["max_abs_loss_diff"] == 0.0
@@ -214,8 +242,6 @@ def test_optimizer_by_name_compares_bitwise_reports_bytes_per_param_and_resumes_
         assert report["bytes_per_param"][mode][0] > held[mode][0]
     markdown = (tmp_path / "cmp" / "compare" / "report.md").read_text()
     assert f"## Bytes per parameter (`--optimizer {optimizer}`)" in markdown
-    _train(tmp_path, "part", "--optimizer", optimizer, "--stop-after", "2", "--checkpoint-every", "2",
-           own_process=own)
     _train(tmp_path, "part", "--optimizer", optimizer, "--resume", "latest", own_process=own)
     assert _losses(tmp_path, "part") == report["losses"]["in_backward"]
 
@@ -263,28 +289,24 @@ def _check_report(tmp: pathlib.Path, run: str, parallel: str) -> dict:
     return report
 
 
-def test_ddp_compare_in_backward_equals_standard(tmp_path):
-    _train(tmp_path, "cmp", "--parallel", "ddp", "--accumulation-steps", "2", "--max-grad-norm", "0.5",
-           "--compare", nproc=2)
-    _check_report(tmp_path, "cmp", "ddp")
-
-
-@pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
-def test_two_pass_clipping_compares_bitwise(parallel, tmp_path):
-    out = _train(tmp_path, "cmp", "--parallel", parallel, "--max-grad-norm", "0.05", "--clip-mode", "two_pass",
-                 "--compare", nproc=2)
-    _check_report(tmp_path, "cmp", parallel)
-    assert "losses max |diff| 0" in out.stderr
-
-
-def test_fsdp2_compare_then_resume_on_two_and_on_one_process(tmp_path):
+def test_ddp_and_fsdp2_compare_bitwise_with_clipping_and_fsdp2_resumes_on_two_and_on_one_process(tmp_path):
     opts = ["--accumulation-steps", "2", "--max-grad-norm", "0.5", "--clip-mode", "per_parameter"]
-    out = _train(tmp_path, "cmp", *opts, "--compare", nproc=2)  # FSDP2 is the default on 2 processes
+    two_pass = ["--max-grad-norm", "0.05", "--clip-mode", "two_pass"]
+    ddp = ["--parallel", "ddp"]
+    # FSDP2 is the default on 2 processes; the comparisons and the stopped run share a launch, the resume has its own
+    out, two_pass_out, _, ddp_two_pass_out, _ = _train_runs(tmp_path, [
+        ("cmp", [*opts, "--compare"]), ("two_pass", [*two_pass, "--compare"]),
+        ("ddp", [*ddp, "--accumulation-steps", "2", "--max-grad-norm", "0.5", "--compare"]),
+        ("ddp_two_pass", [*ddp, *two_pass, "--compare"]),
+        ("part", [*opts, "--stop-after", "2", "--checkpoint-every", "3"])], nproc=2)
     report = _check_report(tmp_path, "cmp", "fsdp2")
     full = report["losses"]["in_backward"]
     assert "losses max |diff| 0" in out.stderr
+    for run, parallel, output in [("two_pass", "fsdp2", two_pass_out), ("ddp_two_pass", "ddp", ddp_two_pass_out)]:
+        _check_report(tmp_path, run, parallel)
+        assert "losses max |diff| 0" in output.stderr
+    _check_report(tmp_path, "ddp", "ddp")
 
-    _train(tmp_path, "part", *opts, "--stop-after", "2", "--checkpoint-every", "3", nproc=2)
     _check_ranks_memory(tmp_path, "part", "in_backward")
     shutil.copytree(tmp_path / "part", tmp_path / "part1")
     _train(tmp_path, "part", *opts, "--resume", "latest", nproc=2)
@@ -404,10 +426,8 @@ def _worker(agent: subprocess.Popen, local_rank: int, timeout: float = 120) -> i
 def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_and_resumes_exactly(tmp_path):
     """The uninterrupted run is the standard loop's (in backward equals it bitwise: the --compare tests), whose
     metrics carry each rank's memory (in backward: test_fsdp2_compare_then_resume_on_two_and_on_one_process's run);
-    one 2-rank launch checks both."""
+    one 2-rank launch checks both, and the resume's launch runs it after the resume."""
     opts = ["--steps", "60", "--batch-size", "32", "--log-every", "1"]
-    _train(tmp_path, "full", *opts, "--optimizer-mode", "standard", nproc=2)
-    _check_ranks_memory(tmp_path, "full", "standard")
     run = tmp_path / "run"
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "2", *TRAIN, *TINY, *opts, "--run-dir", str(run)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -425,7 +445,9 @@ def test_sigterm_to_one_rank_stops_every_rank_with_a_checkpoint_and_resumes_exac
     stopped = [int(s) for s in re.findall(r"SIGTERM: stopped after step (\d+)", output)]
     assert len(stopped) == 1 and stopped[0] < 59, output[-4000:]
     assert _steps_on_disk(tmp_path, "run") == stopped and len(_losses(tmp_path, "run")) == stopped[0] + 1
-    _train(tmp_path, "run", *opts, "--resume", "latest", nproc=2)
+    _train_runs(tmp_path, [("run", [*opts, "--resume", "latest"]), ("full", [*opts, "--optimizer-mode", "standard"])],
+                nproc=2)
+    _check_ranks_memory(tmp_path, "full", "standard")
     assert _losses(tmp_path, "run") == _losses(tmp_path, "full"), "stopped by SIGTERM and resumed in backward != " \
         "the standard loop's uninterrupted run"
 

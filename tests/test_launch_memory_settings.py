@@ -8,7 +8,7 @@ import json
 import pathlib
 
 import pytest
-from test_launch import _train
+from test_launch import _train, _train_runs
 
 from launch.train_config import parse_config
 
@@ -39,19 +39,22 @@ def test_each_setting_compares_bitwise_on_one_process(tmp_path):
     assert 12 <= amp["params_and_states_bytes_per_param"]["in_backward"][0] < 12.02  # fp32 kept
 
 
-def test_settings_compare_bitwise_on_two_fsdp2_ranks(tmp_path):
-    out = _train(tmp_path, "fsdp2", "--compare", "--steps", "3", "--checkpoint-blocks", "2", "--param-dtype",
-                 "bfloat16", "--accumulation-steps", "2", nproc=2)
+def test_two_fsdp2_ranks_settings_compare_bitwise_keep_the_saving_and_a_pipeline_refuses_autocast(tmp_path):
+    # one launch; the run whose output must lack a warning first, as in a process of its own; the refused run last,
+    # as it ends the launch: torchrun's code 1, a rank failed
+    plain, out, pp = _train_runs(tmp_path, [
+        ("plain", ["--steps", "2"]),
+        ("fsdp2", ["--compare", "--steps", "3", "--checkpoint-blocks", "2", "--param-dtype", "bfloat16",
+                   "--accumulation-steps", "2"]),
+        ("pp", ["--parallel", "pp", "--tie-weights", "false", "--autocast", "bfloat16"])], nproc=2, expect=1)
     report = _report(tmp_path, "fsdp2")
     assert report["losses_bitwise_equal"] and len(report["losses"]["in_backward"]) == 3
     # accumulation holds every gradient (FSDP2's unsharded ones): said once per rank
     assert out.stderr.count("holds every gradient of the step") == 2
-
-
-def test_fsdp2_without_accumulation_keeps_the_saving_without_a_warning(tmp_path):
-    # the root unit's unsharded gradients, made first in every backward, are not an accumulation
-    out = _train(tmp_path, "fsdp2", "--steps", "2", nproc=2)
-    assert "done: steps 0 to 1" in out.stderr and "holds every gradient" not in out.stderr
+    # without accumulation, no warning: the root unit's unsharded gradients, made first in every backward, are not
+    # an accumulation
+    assert "done: steps 0 to 1" in plain.stderr and "holds every gradient" not in plain.stderr
+    assert "--autocast bfloat16 with --parallel pp" in pp.stderr and "--param-dtype bfloat16" in pp.stderr
 
 
 def test_a_resume_keeps_the_parameter_dtype_and_may_change_checkpointing(tmp_path):
@@ -74,9 +77,3 @@ def test_bad_values_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         parse_config(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
-
-
-def test_autocast_under_a_pipeline_is_refused(tmp_path):
-    out = _train(tmp_path, "pp", "--parallel", "pp", "--tie-weights", "false", "--autocast", "bfloat16", nproc=2,
-                 expect=1)  # torchrun's code: a rank failed
-    assert "--autocast bfloat16 with --parallel pp" in out.stderr and "--param-dtype bfloat16" in out.stderr

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from test_launch import TINY, _losses, _train
+from test_launch import TINY, _losses, _train, _train_runs
 
 from launch import train
 from launch.gpt import GPT
@@ -71,12 +71,11 @@ def test_batch_splits_over_the_replicas_not_the_tp_ranks():
 
 
 # -- torchrun -----------------------------------------------------------------------------------------------------
-def _compare(tmp_path, opts: list[str], nproc: int) -> dict:
-    """--compare: bitwise losses and gradient norms; returns the report."""
-    out = _train(tmp_path, "cmp", *opts, "--compare", nproc=nproc)
+def _compare(tmp_path, run: str, opts: list[str], nproc: int, out) -> dict:
+    """--compare's run ``run`` (``out``: its output): bitwise losses and gradient norms; returns the report."""
     assert "losses max |diff| 0 (bitwise equal: True)" in out.stderr
     assert "returned a view tensor" not in out.stderr  # FSDP2's warning about the root's output, once unwrapped in it
-    report = json.loads((tmp_path / "cmp" / "compare" / "report.json").read_text())
+    report = json.loads((tmp_path / run / "compare" / "report.json").read_text())
     assert report["parallel"] == opts[1] and report["world_size"] == nproc and report["losses_bitwise_equal"]
     assert len(report["losses"]["in_backward"]) == 6 and report["max_abs_loss_diff"] == 0.0
     norms = report["grad_norms"]
@@ -93,27 +92,28 @@ def _tp_gradient_bytes(tp: int) -> int:
     return 4 * (sum(p.numel() for p in model.parameters()) - sum(split) + sum(split) // tp)
 
 
-def test_tp_compares_bitwise_and_resumes_bitwise(tmp_path):
+def test_tp_compares_bitwise_with_two_pass_and_per_parameter_clipping_and_resumes_bitwise(tmp_path):
     opts = [*TP, "--accumulation-steps", "2", "--max-grad-norm", "0.05", "--clip-mode", "two_pass"]
-    report = _compare(tmp_path, opts, nproc=2)
+    per_parameter = [*TP, "--max-grad-norm", "0.05", "--clip-mode", "per_parameter", "--track-grad-norm"]
+    # the stopped run shares the comparisons' launch; its resume has a launch of its own
+    outs = _train_runs(tmp_path, [("cmp", [*opts, "--compare"]), ("per_parameter", [*per_parameter, "--compare"]),
+                                  ("part", [*opts, "--stop-after", "2", "--checkpoint-every", "3"])], nproc=2)
+    report = _compare(tmp_path, "cmp", opts, 2, outs[0])
     assert report["gradient_bytes_per_rank"] == [_tp_gradient_bytes(2)] * 2  # the MLPs are sharded
+    _compare(tmp_path, "per_parameter", per_parameter, 2, outs[1])
     full = report["losses"]["in_backward"]
-    _train(tmp_path, "part", *opts, "--stop-after", "2", "--checkpoint-every", "3", nproc=2)
     assert len(_losses(tmp_path, "part")) == 3
     out = _train(tmp_path, "part", *opts, "--resume", "latest", nproc=2)
     assert "resumed from" in out.stderr and "step_00000002" in out.stderr
     assert _losses(tmp_path, "part") == full
 
 
-def test_tp_per_parameter_clipping_compares_bitwise(tmp_path):
-    _compare(tmp_path, [*TP, "--max-grad-norm", "0.05", "--clip-mode", "per_parameter", "--track-grad-norm"],
-             nproc=2)
-
-
 def test_fsdp2_tp_compares_bitwise_and_resumes_on_four_and_on_one_process(tmp_path):
     clip = ["--accumulation-steps", "2", "--max-grad-norm", "0.05"]  # exact clipping
-    full = _compare(tmp_path, [*FSDP2_TP, *clip], nproc=4)["losses"]["in_backward"]
-    _train(tmp_path, "part", *FSDP2_TP, *clip, "--stop-after", "2", "--checkpoint-every", "3", nproc=4)
+    (out, _) = _train_runs(tmp_path, [("cmp", [*FSDP2_TP, *clip, "--compare"]),
+                                      ("part", [*FSDP2_TP, *clip, "--stop-after", "2", "--checkpoint-every", "3"])],
+                           nproc=4)
+    full = _compare(tmp_path, "cmp", [*FSDP2_TP, *clip], 4, out)["losses"]["in_backward"]
     shutil.copytree(tmp_path / "part", tmp_path / "part1")
     _train(tmp_path, "part", *FSDP2_TP, *clip, "--resume", "latest", nproc=4)
     assert _losses(tmp_path, "part") == full

@@ -93,7 +93,10 @@ def test_planning_allocates_nothing_of_the_models_size():
     real = allocator_peak(run)["peak_bytes"]
     planned = result["plan"]
     assert planned.standard.peak_bytes > 3 * width * width * 4
-    assert real < 2**20, real  # a few small real tensors (the planner's probes), nothing of the model
+    # a few real tensors, nothing of the model: the planner's probes, and its matrix products run once on rows cut to
+    # 4 MiB (what their kernels keep outside torch's allocator)
+    assert real < 5 * 2**20, real
+    assert any("matrix products too large to run, not measured" in x for x in planned.not_seen)  # the 256 MiB one
     assert planned.standard.kernel == planned.in_backward.kernel == "fused"  # torch's fused AdamW runs on fake tensors
 
 

@@ -128,7 +128,7 @@ def test_planning_fsdp2_x_tp_allocates_nothing_of_the_models_size():
 
     real = allocator_peak(run)["peak_bytes"]
     assert result["plan"].standard.peak_bytes > 10 * 2**20
-    assert real < 2**20, real
+    assert real < 5 * 2**20, real  # and the matrix products run once on rows cut to 4 MiB (outside_bytes)
 
 
 def test_tp_settings_that_cannot_be_planned_are_refused():

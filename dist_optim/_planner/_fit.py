@@ -203,7 +203,7 @@ class _Search:
         global _FORKED
         _FORKED = self
         try:
-            with multiprocessing.get_context("fork").Pool(min(workers, len(jobs))) as pool:
+            with multiprocessing.get_context("fork").Pool(min(workers, len(jobs)), _forked_start) as pool:
                 for (s, depth), traced, ratios in pool.imap_unordered(_trace_forked, jobs):
                     self.count += 1
                     if depth is None:
@@ -258,6 +258,12 @@ class _Search:
 
 
 _FORKED: _Search | None = None  # the search a forked worker traces for
+
+
+def _forked_start() -> None:
+    # one intra-op thread a worker (one worker a core): the OpenMP pool the parent's real runs (the planner's
+    # calibrations) made does not survive the fork, and a parallel kernel in the child waits on it for ever
+    torch.set_num_threads(1)
 
 
 def _trace_forked(job: tuple[FitSetting, int | None]) -> tuple[tuple[FitSetting, int | None], FitCandidate, dict]:

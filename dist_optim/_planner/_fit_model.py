@@ -186,6 +186,17 @@ def _default_dtype(dtype: torch.dtype) -> Any:
         torch.set_default_dtype(before)
 
 
+def _cast_floating(b: Any, dtype: torch.dtype) -> Any:
+    """A batch (a tensor, or tuples, lists and dicts of them) with its floating-point tensors in ``dtype``."""
+    if isinstance(b, torch.Tensor):
+        return b.to(dtype) if b.is_floating_point() else b
+    if isinstance(b, (tuple, list)):
+        return type(b)(_cast_floating(x, dtype) for x in b)
+    if isinstance(b, dict):
+        return {k: _cast_floating(v, dtype) for k, v in b.items()}
+    return b
+
+
 def _plan_arguments(s: FitSetting, model_fn: Callable[[], nn.Module], batch_fn: Callable[[int], Any],
                     loss_fn: Callable[..., torch.Tensor], cls: type, parallelize: Any, fsdp_units: Any,
                     max_grad_norm: float | None, optimizer_kwargs: dict[str, Any], depth: int | None
@@ -196,7 +207,12 @@ def _plan_arguments(s: FitSetting, model_fn: Callable[[], nn.Module], batch_fn: 
         if depth is not None:  # a shallow copy of the model: its first ``depth`` blocks
             del _blocks(model)[depth:]
         return checkpoint_first(model, s.checkpoint_blocks)
-    out: dict[str, Any] = dict(model_fn=build, batch_fn=lambda: batch_fn(s.micro_batch), loss_fn=loss_fn,
+    def batch() -> Any:  # parameters in another dtype take their floating-point inputs in it (ids stay ids)
+        b = batch_fn(s.micro_batch)
+        if s.param_dtype == "float32":
+            return b
+        return _cast_floating(b, getattr(torch, s.param_dtype))
+    out: dict[str, Any] = dict(model_fn=build, batch_fn=batch, loss_fn=loss_fn,
                                optimizer_class=cls, parallel=s.parallel, world_size=s.world_size,
                                accumulation_steps=s.accumulation_steps, **optimizer_kwargs)
     if s.autocast:
@@ -218,7 +234,7 @@ def _call(s: FitSetting, cls: type, max_grad_norm: float | None, optimizer_kwarg
     """How to run ``s``: its layout and model settings in words, then the optimizer's call."""
     steps = [s.describe()]
     if s.param_dtype != "float32":
-        steps.append(f"model.to(torch.{s.param_dtype})")
+        steps.append(f"model.to(torch.{s.param_dtype}) and the batch's floating-point tensors too")
     if s.checkpoint_blocks:
         steps.append(f"torch.utils.checkpoint (use_reentrant=False) around each of the first {s.checkpoint_blocks} "
                      "blocks")

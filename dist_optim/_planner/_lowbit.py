@@ -58,40 +58,49 @@ def storages(value: Any) -> Iterator[torch.UntypedStorage]:
     yield value.untyped_storage()
 
 
-def _state_bytes(cls: type, kwargs: dict[str, Any], numel: int, dtype: torch.dtype) -> int:
-    """The bytes of the state ``cls`` keeps for one real parameter of ``numel`` elements after one step."""
-    p = torch.nn.Parameter(torch.zeros(numel, dtype=dtype))
-    p.grad = torch.zeros_like(p)
-    opt = cls([p], **kwargs)
+def _state_bytes(cls: type, kwargs: dict[str, Any], numel: int, dtype: torch.dtype) -> tuple[int, int]:
+    """The bytes of the state ``cls`` keeps for each real parameter of ``numel`` elements after one step, and those
+    it keeps once for all its parameters (bitsandbytes' quantization maps: the same tensors in every parameter's
+    state), read from two parameters stepped by one optimizer."""
+    ps = [torch.nn.Parameter(torch.zeros(numel, dtype=dtype)) for _ in range(2)]
+    for p in ps:
+        p.grad = torch.zeros_like(p)
+    opt = cls(ps, **kwargs)
     with torch.compiler.set_stance("force_eager"):  # the same state as compiled, without compiling every size
         opt.step()
-    seen: dict[int, int] = {}
-    for value in opt.state[p].values():
-        for st in storages(value):
-            seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
+    held = [{st.data_ptr(): st.nbytes() for value in opt.state[p].values() for st in storages(value)} for p in ps]
+    shared = sum(n for ptr, n in held[0].items() if ptr in held[1])
+    return sum(held[0].values()) - shared, shared
+
+
+def _real(cls: type, kwargs: tuple[tuple[str, Any], ...], numel: int, dtype: torch.dtype) -> tuple[int, int]:
+    """:func:`_state_bytes` on a thread of its own: none of the planner's modes (fake tensors, traces) there."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(_state_bytes, cls, dict(kwargs), numel, dtype).result()
 
 
 @functools.lru_cache(maxsize=None)
 def state_bytes(cls: type, kwargs: tuple[tuple[str, Any], ...], numel: int, dtype: torch.dtype) -> int:
-    """The state bytes of a parameter of ``numel`` elements: measured where it is small, else extrapolated from two
-    probes of the same residue modulo _ALIGN (exact: linear in the number of blocks)."""
-    kw = dict(kwargs)
+    """The state bytes of a parameter of ``numel`` elements (those kept once for all parameters apart: see
+    :func:`shared_state_bytes`): measured where it is small, else extrapolated from two probes of the same residue
+    modulo _ALIGN (exact: linear in the number of blocks)."""
     logger.info("stepping %s on real parameters to read its state for %d elements", cls.__name__, numel)
-
-    def real(n: int) -> int:  # on a thread of its own: none of the planner's modes (fake tensors, traces) there
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            return pool.submit(_state_bytes, cls, kw, n, dtype).result()
     if numel <= _PROBE[1]:
-        return real(numel)
+        return _real(cls, kwargs, numel, dtype)[0]
     n1, n2 = (n + numel % _ALIGN for n in _PROBE)
-    b1, b2 = real(n1), real(n2)
+    b1, b2 = _real(cls, kwargs, n1, dtype)[0], _real(cls, kwargs, n2, dtype)[0]
     return b1 + (b2 - b1) * (numel - n1) // (n2 - n1)
+
+
+@functools.lru_cache(maxsize=None)
+def shared_state_bytes(cls: type, kwargs: tuple[tuple[str, Any], ...], dtype: torch.dtype) -> int:
+    """The state bytes an optimizer of ``cls`` keeps once for all its parameters."""
+    return _real(cls, kwargs, _PROBE[0], dtype)[1]
 
 
 def stand_in(cls: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any]) -> type[torch.optim.Optimizer]:
     """An optimizer class for the trace: ``cls``'s state bytes (:func:`state_bytes`) per parameter, as one uint8
-    tensor made at the first step, and at each step, parameter after parameter, the step's temporaries
+    tensor made at the first step (and those it keeps once for all parameters, one tensor in every state), and at each step, parameter after parameter, the step's temporaries
     (:func:`step_bytes`); no update."""
     kwargs = tuple(sorted(optimizer_kwargs.items()))
 
@@ -100,6 +109,7 @@ def stand_in(cls: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any])
 
         def __init__(self, params: Any, **kw: Any) -> None:
             super().__init__(params, kw)
+            self._shared: torch.Tensor | None = None  # bitsandbytes' quantization maps: one for all parameters
 
         @torch.no_grad()
         def step(self, closure: Any = None) -> None:
@@ -111,6 +121,11 @@ def stand_in(cls: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any])
                     if not self.state[p]:
                         n = state_bytes(cls, kwargs, mine.numel(), mine.dtype)
                         self.state[p]["state"] = torch.zeros(n, dtype=torch.uint8, device=mine.device)
+                        if self._shared is None:  # made once an optimizer, then the same tensor in every state
+                            self._shared = torch.zeros(shared_state_bytes(cls, kwargs, mine.dtype),
+                                                       dtype=torch.uint8, device=mine.device)
+                        if self._shared.numel():
+                            self.state[p]["shared"] = self._shared
                     temporaries = torch.empty(step_bytes(cls, mine), dtype=torch.uint8, device=mine.device)
                     del temporaries
 

@@ -309,4 +309,5 @@ def plan_pipeline(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any]
                                         if isinstance(v, (int, float, str))}}
         stages.append(MemoryPlan(loops["standard"], loops["in_backward"], n_params, options, NOT_SEEN + NOT_SEEN_PP))
     top = max(stages, key=lambda s: max(s.standard.peak_bytes, s.in_backward.peak_bytes))
-    return PipelinePlan(top.standard, top.in_backward, top.n_params, dict(top.options), top.not_seen, stages)
+    return PipelinePlan(top.standard, top.in_backward, top.n_params, dict(top.options), top.not_seen,
+                        stages=stages)

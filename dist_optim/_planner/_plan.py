@@ -268,7 +268,8 @@ def plan(
                "optimizer_class": name,
                "optimizer_kwargs": {k: v for k, v in optimizer_kwargs.items() if isinstance(v, (int, float, str))}}
     return MemoryPlan(plans["standard"], plans["in_backward"], n_params, options,
-                      NOT_SEEN + layout.not_seen() + _not_seen(optimizer_class, traced) + workspaces.said())
+                      NOT_SEEN + layout.not_seen() + _not_seen(optimizer_class, traced) + workspaces.said(),
+                      workspaces.outside_bytes)
 
 
 def _trace(loops: tuple[str, ...], model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Any],

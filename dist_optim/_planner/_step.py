@@ -28,9 +28,9 @@ LOOPS = ("standard", "in_backward")
 CATEGORIES = ("parameters", "optimizer_state", "gradients", "activations", "communication", "workspaces", "other")
 # What a trace of operators' outputs cannot see, said in the output and docs/planning.md
 NOT_SEEN = (
-    "memory no operator returns, besides CPU convolutions' (calibrated: workspaces): kernels' workspaces on CUDA "
-    "(cuBLAS, cuDNN), oneDNN's primitive cache (outside torch's allocator), the CUDA caching allocator's rounding "
-    "and fragmentation, the CUDA context",
+    "memory no operator returns, besides CPU convolutions' (calibrated: workspaces) and what CPU convolutions and "
+    "matrix products keep outside torch's allocator (measured, where glibc can be read): kernels' workspaces on "
+    "CUDA (cuBLAS, cuDNN), the CUDA caching allocator's rounding and fragmentation, the CUDA context",
 )
 
 
@@ -70,6 +70,9 @@ class MemoryPlan:
     n_params: int  # parameters this process holds
     options: dict[str, Any]  # the engine's and the batch's options, as planned
     not_seen: tuple[str, ...] = NOT_SEEN
+    # what CPU kernels keep outside torch's allocator (oneDNN, MKL), measured by running them once; not in the peaks;
+    # None where not measured (CUDA, no such kernel, no glibc)
+    outside_bytes: int | None = None
 
     @property
     def saving_bytes(self) -> int:
@@ -81,7 +84,8 @@ class MemoryPlan:
     def to_dict(self, *, timeline: bool = False) -> dict[str, Any]:
         """The plan as JSON-ready values (``timeline=True`` adds both loops' timelines)."""
         out: dict[str, Any] = {"n_params": self.n_params, "options": self.options,
-                               "saving_bytes": self.saving_bytes, "not_seen": list(self.not_seen)}
+                               "saving_bytes": self.saving_bytes, "outside_bytes": self.outside_bytes,
+                               "not_seen": list(self.not_seen)}
         for lp in self.loops():
             out[lp.loop] = {"peak_bytes": lp.peak_bytes, "first_step_peak_bytes": lp.first_step_peak_bytes,
                             "run_peak_bytes": lp.run_peak_bytes, "start_bytes": lp.start_bytes,
@@ -108,6 +112,9 @@ class MemoryPlan:
         pct = 100 * saving / self.standard.peak_bytes if self.standard.peak_bytes else 0.0
         lines.append(f"saving: {saving / MiB:.1f} MiB ({pct:.1f} % of the standard peak), {self.n_params:,} "
                      f"parameters, {self.options.get('layout', 'one process')}")
+        if self.outside_bytes is not None:
+            lines.append(f"outside torch's allocator (oneDNN's and MKL's kernels, measured): "
+                         f"{self.outside_bytes / MiB:.2f} MiB more than each peak")
         lines += [f"not seen: {why}" for why in self.not_seen]
         return "\n".join(lines)
 
