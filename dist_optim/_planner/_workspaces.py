@@ -110,7 +110,7 @@ class Workspaces:
         return sum(self._outside.values()) if self._outside else None
 
     def said(self) -> tuple[str, ...]:
-        """The calibration, for the plan's ``not_seen`` (nothing when no convolution ran)."""
+        """The calibration, for the plan's ``not_seen`` (nothing when no convolution or matrix product ran on CPU)."""
         out: tuple[str, ...] = ()
         if self._known:
             scaled = f"; {self.scaled} of them on a batch cut to fit, scaled by the batch" if self.scaled else ""
@@ -124,6 +124,9 @@ class Workspaces:
                     f"process of {len(self._outside)} distinct convolutions and matrix products{large}; not in the "
                     f"peaks (those are torch's allocator's); a shape that changes every step (MoE routing) adds its "
                     f"own; glibc may also keep freed memory (docs/planning.md)",)
+        elif self.too_large:
+            out += (f"what {self.too_large} matrix products too large to run keep outside torch's allocator "
+                    f"(oneDNN's and MKL's kernels): not measured",)
         return out
 
     def __call__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
