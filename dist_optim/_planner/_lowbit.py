@@ -100,8 +100,8 @@ def shared_state_bytes(cls: type, kwargs: tuple[tuple[str, Any], ...], dtype: to
 
 def stand_in(cls: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any]) -> type[torch.optim.Optimizer]:
     """An optimizer class for the trace: ``cls``'s state bytes (:func:`state_bytes`) per parameter, as one uint8
-    tensor made at the first step (and those it keeps once for all parameters, one tensor in every state), and at each step, parameter after parameter, the step's temporaries
-    (:func:`step_bytes`); no update."""
+    tensor made at the first step (and those it keeps once for all parameters, one tensor in every state), and at
+    each step, parameter after parameter, the step's temporaries (:func:`step_bytes`); no update."""
     kwargs = tuple(sorted(optimizer_kwargs.items()))
 
     class StandIn(torch.optim.Optimizer):

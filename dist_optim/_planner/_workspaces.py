@@ -120,7 +120,7 @@ class Workspaces:
         if self._outside:
             large = f"; {self.too_large} matrix products too large to run, not measured" if self.too_large else ""
             out += (f"kept outside torch's allocator by oneDNN's and MKL's kernels (JIT code, primitive caches, "
-                    f"buffers): {sum(self._outside.values()) / 2**20:.2f} MiB, measured on the first run in this "
+                    f"buffers): {(self.outside_bytes or 0) / 2**20:.2f} MiB, measured on the first run in this "
                     f"process of {len(self._outside)} distinct convolutions and matrix products{large}; not in the "
                     f"peaks (those are torch's allocator's); a shape that changes every step (MoE routing) adds its "
                     f"own; glibc may also keep freed memory (docs/planning.md)",)
