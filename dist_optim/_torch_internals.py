@@ -244,6 +244,18 @@ def fake_store() -> Any:
     return FakeStore()
 
 
+# DTensor's sharding propagation caches each operator's output spec, keyed by its inputs' specs, and a DeviceMesh
+# compares equal to any mesh over the same ranks and dimension names, whatever its process groups: after
+# destroy_process_group() and a new init_process_group() in one process, a DTensor made for the new mesh (by
+# fully_shard, distribute_tensor) comes out on the old mesh, whose groups are gone or are others now. Cleared when a
+# process group this process made (the trainer's, the planner's fake one) is destroyed. Public: none yet (torch
+# names it a debugging aid: torch.distributed.tensor.debug).
+def clear_sharding_cache() -> None:
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python cache and the C++ fast path's
+
+
 # -- FSDP2 (fully_shard) --------------------------------------------------------------------------------------------
 # A fully_shard-ed module's parameter groups (each with its FSDPParams): whether unsharded gradients accumulated
 # without gradient sync wait for the next synced backward (two_pass). Public: none yet.

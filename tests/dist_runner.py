@@ -76,9 +76,12 @@ class RankContext:
 
         import torch.distributed as dist
 
+        from dist_optim._torch_internals import clear_sharding_cache
+
         self.cache.clear()
         gc.collect()
         if dist.is_initialized():
+            clear_sharding_cache()  # else DTensor's cache hands this group's meshes to the next one's tensors
             dist.destroy_process_group()
 
 

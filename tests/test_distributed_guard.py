@@ -118,3 +118,43 @@ def _options_differ(ctx) -> None:
 
 def test_options_are_compared_across_ranks_and_ddp_buckets_are_the_current_ones(ranks):
     ranks.run(2, _options_differ)
+
+
+# -- a second process group in one process ----------------------------------------------------------------------
+def _two_jobs_in_one_process(ctx, clear: bool) -> str:
+    """Two FSDP2 (HSDP 1 x 2) jobs one after the other in each rank's process; the second makes two groups first, so
+    its mesh's groups take other names. ``clear``: the first job clears DTensor's sharding cache before it destroys
+    its process group, as launch/runtime.stop does."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def job(extra_groups: int) -> dist_optim.InBackwardOptimizer:
+        ctx.init_process_group()
+        for _ in range(extra_groups):
+            dist.new_group([0, 1])
+        model = make_model()
+        fully_shard(model, mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard")))
+        return dist_optim.InBackwardOptimizer(model, torch.optim.SGD, lr=0.1)
+
+    job(0)
+    if clear:
+        internals.clear_sharding_cache()
+    dist.destroy_process_group()
+    try:
+        job(2)
+        outcome = "built"
+    except RuntimeError as e:
+        outcome = str(e)
+    ctx.leave_group()
+    return outcome
+
+
+def test_a_mesh_of_an_earlier_process_group_is_refused_and_clearing_the_cache_keeps_it_out(ranks):
+    # torch hands the first job's mesh to the second job's parameters (DTensor's sharding cache: equal meshes); its
+    # group names are the second job's other groups now: the optimizer's collectives would run over those
+    stale = ranks.run_before_group(2, _two_jobs_in_one_process, clear=False)
+    for rank, message in enumerate(stale):
+        assert re.search(rf"names process group '\d+', which holds ranks \[0, 1\], not the mesh's \[{rank}\] along "
+                         r"dimension 0: it is a mesh of an earlier process group", message), message
+        assert "torch.distributed.tensor.debug._clear_sharding_prop_cache() before destroy_process_group()" in message
+    assert ranks.run_before_group(2, _two_jobs_in_one_process, clear=True) == ["built", "built"]

@@ -262,6 +262,24 @@ def _check_fake_store() -> None:
     assert isinstance(internals.fake_store(), dist.Store)
 
 
+def _check_clear_sharding_cache() -> None:
+    # two equal meshes (a second one over the same ranks, as a second job makes): an operator on the second one's
+    # tensors comes out on the first, from DTensor's cache; cleared, on its own
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dist_optim._planner._fsdp2 import fake_group
+
+    with fake_group(2) as first:
+        second = init_device_mesh("cpu", (2,))
+        assert first == second and first is not second
+        a = distribute_tensor(torch.ones(4, 4), first, [Shard(0)])
+        b = distribute_tensor(torch.ones(4, 4), second, [Shard(0)])
+        assert (a + a).device_mesh is first and (b + b).device_mesh is first  # what the cache does
+        internals.clear_sharding_cache()
+        assert (b + b).device_mesh is second
+
+
 def _check_fsdp_resized_tensors() -> None:
     # on torch's fake process group (2 ranks, this one rank 0), as the planner runs FSDP2
     from torch.distributed.fsdp import fully_shard
@@ -592,6 +610,10 @@ CHECKS: dict[str, Entry] = {
     "ddp_first_bucket_bytes": Entry(
         "torch.distributed._DEFAULT_FIRST_BUCKET_BYTES", "the planner's DDP rank would not have DDP's first bucket",
         _check_ddp_buckets),
+    "clear_sharding_cache": Entry(
+        "torch.distributed.tensor.debug._clear_sharding_prop_cache",
+        "a second job in one process (the trainer's tests, the planner then a real job) would get the first one's "
+        "device meshes, whose process groups are gone", _check_clear_sharding_cache),
     "fake_store": Entry(
         "torch.testing._internal.distributed.fake_pg.FakeStore", "the planner could not plan an FSDP2 rank",
         _check_fake_store),

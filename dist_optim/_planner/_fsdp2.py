@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_optim._torch_internals import fsdp_collective_ops
+from dist_optim._torch_internals import clear_sharding_cache, fake_store, fsdp_collective_ops
 
 __all__: list[str] = []
 
@@ -31,12 +31,11 @@ def fake_group(world_size: int) -> Iterator[Any]:
     after."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dist_optim._torch_internals import fake_store
-
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     try:
         yield init_device_mesh("cpu", (world_size,))  # outside FakeTensorMode: the mesh's tensors are real
     finally:
+        clear_sharding_cache()  # no fake mesh handed to a later job (_torch_internals)
         dist.destroy_process_group()
 
 

@@ -47,6 +47,7 @@ from dist_optim._torch_internals import (
     STAGE_WARMUP_RESULT,
     STAGE_WARMUP_VOTE,
     FakeTensorMode,
+    clear_sharding_cache,
     fake_store,
     stage_kept_outputs,
     stage_recv_buffers,
@@ -127,6 +128,7 @@ def fake_stage_group(world_size: int, rank: int) -> Iterator[None]:
     try:
         yield
     finally:
+        clear_sharding_cache()  # no fake mesh handed to a later job (_torch_internals)
         dist.destroy_process_group()
 
 

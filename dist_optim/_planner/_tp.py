@@ -25,6 +25,7 @@ from torch import nn
 
 from dist_optim._torch_internals import (
     TorchDispatchMode,
+    clear_sharding_cache,
     fake_store,
     tree_iter,
     unset_fake_temporarily,
@@ -96,6 +97,7 @@ def fake_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Iterator[Any]:
     try:
         yield init_device_mesh("cpu", shape, mesh_dim_names=names)  # outside FakeTensorMode: its tensors are real
     finally:
+        clear_sharding_cache()  # no fake mesh handed to a later job (_torch_internals)
         dist.destroy_process_group()
 
 

@@ -60,7 +60,40 @@ def sharding_groups(params: list[torch.Tensor]) -> list[Any]:
     mesh = next((p.device_mesh for p in params if is_dtensor(p)), None)
     if mesh is None:
         return [None]
-    return [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    return [_live_group(mesh, dim) for dim in range(mesh.ndim)]
+
+
+def _live_group(mesh: Any, dim: int) -> Any:
+    """``mesh.get_group(dim)``, checked to be a group of this process group that holds the mesh's ranks along
+    ``dim``: a mesh of an earlier process group (torch's DTensor sharding cache hands it out again after
+    ``destroy_process_group()`` and ``init_process_group()`` in one process) names groups that are gone, or that are
+    other groups now, whose collectives hang or mix ranks."""
+    names = getattr(mesh, "_dim_group_names", None)
+    name = names[dim] if names and dim < len(names) else "?"
+    try:
+        group = mesh.get_group(dim)
+    except RuntimeError as e:
+        raise _stale_mesh(mesh, name, "which no longer exists") from e
+    coordinate = mesh.get_coordinate()
+    if coordinate is None or dist.get_backend(group) == "fake":
+        return group
+    index = list(coordinate)
+    index[dim] = slice(None)
+    want = mesh.mesh[tuple(index)].tolist()
+    ranks = dist.get_process_group_ranks(group)
+    if ranks != want:
+        raise _stale_mesh(mesh, name, f"which holds ranks {ranks}, not the mesh's {want} along dimension {dim}")
+    return group
+
+
+def _stale_mesh(mesh: Any, name: str, what: str) -> RuntimeError:
+    return RuntimeError(
+        f"the parameters' DeviceMesh {mesh} names process group {name!r}, {what}: it is a mesh of an earlier process "
+        "group, which torch's DTensor sharding cache handed out again (meshes over the same ranks compare equal) "
+        "after destroy_process_group() and init_process_group() in this process. Clear that cache when a process "
+        "group is destroyed, with torch.distributed.tensor.debug._clear_sharding_prop_cache() before "
+        "destroy_process_group(), and build the model again"
+    )
 
 
 def agreement_groups(ddp: Any, groups: list[Any]) -> list[Any]:
