@@ -116,10 +116,19 @@ def start(device: str, threads: int) -> Runtime:
     return Runtime(rank, world, local_rank, dev, launched)
 
 
-def stop(rt: Runtime) -> None:
+def stop(rt: Runtime, failed: bool = False) -> None:
+    """Leave the process group. ``failed``: this rank raised, and the others may be waiting for it in a collective:
+    no barrier, which would wait for them as long as the group's timeout (10 minutes) before the error is shown;
+    its group destroyed, their collectives fail, and torchrun ends the job."""
     if rt.distributed and dist.is_initialized():
         # Models and reducers that still hold the process group (through reference cycles) are freed now, not at
         # interpreter exit, where a gloo thread still running aborts the process.
         gc.collect()
-        dist.barrier()
+        if not failed:
+            dist.barrier()
+        # a next job in this process (the tests run several) would get this job's device meshes from DTensor's
+        # cache (meshes over the same ranks compare equal), and with them groups that are gone or are others
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
         dist.destroy_process_group()

@@ -263,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not rt.is_main:
         logging.getLogger().setLevel(logging.WARNING)
+    failed = False
     try:
         parallel = resolve_parallel(cfg.parallel, rt)
         optimizer_class(cfg.optimizer)  # its package importable
@@ -287,8 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     except Diverged as e:
         _error(rt, str(e))
         return 1
+    except BaseException:  # a bug, on this rank alone perhaps: its traceback now, not after the group's timeout
+        failed = True
+        raise
     finally:
-        stop(rt)
+        stop(rt, failed)
     return 0
 
 

@@ -498,6 +498,18 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists() or _steps_on_disk(tmp_path, "run") == []
 
 
+def test_a_bug_on_one_rank_ends_the_job_at_once_with_its_traceback(tmp_path):
+    # rank 1 raises while rank 0 waits for it in a collective: rank 1 leaves without the barrier that would wait for
+    # rank 0 for the group's 10 minutes, rank 0's collective fails, and torchrun ends the job
+    argv = [*TINY, "--run-dir", str(tmp_path / "r"), "--parallel", "ddp"]
+    code = ("import os, sys\nfrom launch import train\nif os.environ['RANK'] == '1':\n"
+            "    def broken(*args, **kwargs):\n        raise RuntimeError('a bug on rank 1')\n"
+            f"    train.Job = broken\nsys.exit(train.main({argv!r}))\n")
+    out = run_blocks([("bug", code)], 2, tmp_path, cwd=ROOT, timeout=120)  # the hang: TimeoutExpired here
+    assert out.returncode != 0, out.stderr[-3000:]
+    assert "[rank1]: RuntimeError: a bug on rank 1" in out.stderr, out.stderr[-3000:]
+
+
 def test_stop_after_saves_a_checkpoint_to_resume_from(tmp_path):
     _train(tmp_path, "full")
     out = _train(tmp_path, "part", "--stop-after", "2")  # no --checkpoint-every

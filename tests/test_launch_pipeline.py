@@ -92,16 +92,12 @@ def test_pipeline_x_fsdp2_settings_refused(argv, message):
 
 # -- torchrun: two stages on two ranks (pp), or each sharded over two of four (pp+fsdp2) --------------------------------
 def _compare_then_resume(tmp_path: pathlib.Path, opts: list[str], nproc: int,
-                         more: tuple[tuple[str, list[str]], ...] = (), share: bool = True) -> list[float]:
+                         more: tuple[tuple[str, list[str]], ...] = ()) -> list[float]:
     """--compare bitwise (losses and the model's grad norm), then a run stopped after step 2 with a checkpoint per
-    step, resumed over a step one stage missed: the uninterrupted run's losses, which it returns. With ``share``,
-    the comparison, the runs ``more`` and the stopped run share a launch; the resume has one of its own."""
+    step, resumed over a step one stage missed: the uninterrupted run's losses, which it returns. The comparison,
+    the runs ``more`` and the stopped run share a launch; the resume has one of its own."""
     stopped = ("part", [*opts, "--stop-after", "2", "--checkpoint-every", "1", "--keep-checkpoints", "2"])
-    if share:
-        out, *_ = _train_runs(tmp_path, [("cmp", [*opts, "--compare"]), *more, stopped], nproc=nproc)
-    else:
-        out = _train(tmp_path, "cmp", *opts, "--compare", nproc=nproc)
-        _train(tmp_path, stopped[0], *stopped[1], nproc=nproc)
+    out, *_ = _train_runs(tmp_path, [("cmp", [*opts, "--compare"]), *more, stopped], nproc=nproc)
     assert "losses max |diff| 0 (bitwise equal: True)" in out.stderr
     report = json.loads((tmp_path / "cmp" / "compare" / "report.json").read_text())
     assert report["parallel"] == opts[1] and report["world_size"] == nproc and report["losses_bitwise_equal"]
@@ -142,10 +138,9 @@ def test_pp_1f1b_and_gpipe_equal_standard_loop_and_1f1b_resumes_bitwise(tmp_path
 def test_pp_fsdp2_equals_standard_loop_and_resumes_bitwise(tmp_path):
     clip = ["--max-grad-norm", "0.05", "--clip-mode", "per_parameter"]
     # each of the 2 pipelines takes 4 of the 8 sequences, in 2 micro-batches
-    # a launch per run: pp+fsdp2's second process group in one process hangs (in its optimizer's first collective
-    # over a stage's mesh, with torch 2.13)
-    full = _compare_then_resume(tmp_path, [*PP_FSDP2, "--microbatches", "2", *clip, "--track-grad-norm"], nproc=4,
-                                share=False)
+    # the stopped run after the comparison in one launch: its stage meshes are new ones, not the comparison's from
+    # DTensor's cache (launch/runtime.stop clears it)
+    full = _compare_then_resume(tmp_path, [*PP_FSDP2, "--microbatches", "2", *clip, "--track-grad-norm"], nproc=4)
     # the global batch, as one process trains on it: equal up to the order of the sums (means per micro-batch and
     # per pipeline, the reduce-scatter); two pipelines on the same half would differ from step 0 on
     _train(tmp_path, "one", "--tie-weights", "false", *clip)
