@@ -141,11 +141,15 @@ def _measured(run_dir: pathlib.Path) -> list[int]:
 
 
 @pytest.mark.parametrize("budget, rejected", [(4.2, True), (3.3, False)])
-def test_launch_fit_on_two_ranks_runs_what_it_chose_under_the_budget(budget, rejected, tmp_path, shim):
-    out = _launch("--fit", "--memory", f"{budget}MiB", "--nproc", "2", *SHAPE, "--json", str(tmp_path / "fit.json"))
+def test_launch_fit_on_two_ranks_runs_what_it_chose_under_the_budget(budget, rejected, tmp_path, shim, capsys):
+    # the search in this process (it plans on fake tensors, in forked workers); the runs it chose under torchrun
+    from launch import train
+
+    assert train.main(["--fit", "--memory", f"{budget}MiB", "--nproc", "2", *SHAPE, "--json",
+                       str(tmp_path / "fit.json")]) == 0
     found = json.loads((tmp_path / "fit.json").read_text())
     assert found["fits"] and found["budget_bytes"] == int(budget * MiB)
-    assert "run: torchrun --nproc-per-node 2" in out.stdout
+    assert "run: torchrun --nproc-per-node 2" in capsys.readouterr().out
     over = [c for c in found["candidates"] if c["planned_peak_bytes"] > found["budget_bytes"]]
     assert over and not any(c["fits"] for c in over) and len(found["candidates"]) >= 10
     runs = {"chosen": (found["argv"], found["planned_peak_bytes"])}
@@ -159,11 +163,14 @@ def test_launch_fit_on_two_ranks_runs_what_it_chose_under_the_budget(budget, rej
             assert (peak <= found["budget_bytes"]) == (name == "chosen"), (name, peak)
 
 
-def test_a_budget_under_every_candidate_exits_3_naming_the_smallest(tmp_path):
-    out = _launch("--fit", "--memory", "1MiB", *SHAPE, "--json", str(tmp_path / "f.json"), expect=3)
+def test_a_budget_under_every_candidate_exits_3_naming_the_smallest(tmp_path, capsys):
+    from launch import train
+
+    assert train.main(["--fit", "--memory", "1MiB", *SHAPE, "--json", str(tmp_path / "f.json")]) == 3
     found = json.loads((tmp_path / "f.json").read_text())
     assert not found["fits"] and found["argv"] is None
-    assert f"{found['smallest_budget_bytes'] / MiB:.1f} MiB" in out.stderr and "nothing fits --memory 1MiB" in out.stderr
+    err = capsys.readouterr().err
+    assert f"{found['smallest_budget_bytes'] / MiB:.1f} MiB" in err and "nothing fits --memory 1MiB" in err
 
 
 def test_the_planners_command_line_exits_3_when_nothing_fits(tmp_path):
