@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 __all__ = ["LaunchError", "Runtime", "TermSignal", "start", "stop"]
 
@@ -128,7 +129,5 @@ def stop(rt: Runtime, failed: bool = False) -> None:
             dist.barrier()
         # a next job in this process (the tests run several) would get this job's device meshes from DTensor's
         # cache (meshes over the same ranks compare equal), and with them groups that are gone or are others
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
         _clear_sharding_prop_cache()
         dist.destroy_process_group()
