@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 __all__ = ["LaunchError", "Runtime", "TermSignal", "start", "stop"]
 
@@ -128,6 +127,10 @@ def stop(rt: Runtime, failed: bool = False) -> None:
         if not failed:
             dist.barrier()
         # a next job in this process (the tests run several) would get this job's device meshes from DTensor's
-        # cache (meshes over the same ranks compare equal), and with them groups that are gone or are others
+        # cache (meshes over the same ranks compare equal), and with them groups that are gone or are others.
+        # Imported here: its package imports torch._dynamo (0.5 s of start-up that a TP or single-process run
+        # would not otherwise pay)
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
         _clear_sharding_prop_cache()
         dist.destroy_process_group()
