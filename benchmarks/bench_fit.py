@@ -23,7 +23,7 @@ import time
 SHAPES = {
     "8b": ["--n-layer", "32", "--n-embd", "4096", "--n-head", "32", "--block-size", "4096", "--batch-size", "64",
            "--nproc", "8", "--max-grad-norm", "1.0", "--memory", "80GiB"],
-    "tiny": ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--block-size", "64", "--batch-size", "8",
+    "tiny": ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--block-size", "64", "--batch-size", "4",
              "--nproc", "2", "--memory", "8MiB"],
 }
 
