@@ -26,9 +26,22 @@ from dist_optim._torch_internals import (
 from dist_optim.engine._inputs import is_dtensor
 from dist_optim.engine._link import engine_of
 from dist_optim.engine._options import InBackwardOptions, engine_keywords
+from dist_optim.engine._saving import speaking_as
 from dist_optim.optimizer import InBackwardOptimizer
 
 __all__ = ["pipeline_optimizers"]
+
+# What holds a plain stage's gradients, in the schedule's terms: its micro-batches, not an accumulation the user
+# chose; one micro-batch per step would keep the saving but remove the overlap a pipeline is for
+PIPELINE_TERMS = {
+    "accumulation": (
+        "the schedule's n_microbatches={n} (a plain stage's gradients accumulate in .grad over its {n} micro-batch "
+        "backwards, in both loops, and it steps in the last)",
+        "a fully_shard-ed stage (pipeline x FSDP2, single-stage schedules: the sharded gradients are freed as they "
+        "step), or fewer micro-batches per schedule.step() (a larger pipeline bubble; 1 keeps the whole saving "
+        "and leaves no overlap between stages)",
+    ),
+}
 
 # Schedule actions that compute the weights' gradients with torch.autograd.grad, which never runs the
 # post-accumulate-grad hooks the step fires on (zero-bubble schedules split each backward into I and W).
@@ -132,7 +145,9 @@ def _stage_optimizer(schedule: Any, stage: Any, n: int, scale: bool, engine_opti
         # A plain stage's parameters live on its rank alone: stepping them on the local gradient is the
         # standard loop; its hooks run in every micro-batch backward, and the last one steps.
         options = dataclasses.replace(options, accumulation_steps=n, allow_local_steps=allow_local_steps)
-        opt = InBackwardOptimizer(module, optimizer_class, options=options, **rest)
+        # the warning points at the user's pipeline_optimizers call, past this function and that one
+        with speaking_as("a pipeline stage's InBackwardOptimizer", PIPELINE_TERMS, frames=2):
+            opt = InBackwardOptimizer(module, optimizer_class, options=options, **rest)
     opt.register_step_pre_hook(_Guard(schedule, stage, n, scale, sharded))
     return opt
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
@@ -322,6 +323,25 @@ def _guard_multiplier(ctx):
     assert "grad_multiplier is 0.5 but the schedule (scale_grads=True, 4 micro-batches) already scales" in str(
         info.value.__cause__), info.value.__cause__
     assert all(torch.equal(p, q) for p, q in zip(modules[0].parameters(), before))
+
+
+def _saving_in_schedule_terms(ctx):
+    modules, sched, first, last = build(ctx, "gpipe")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist_optim.pipeline_optimizers(sched, torch.optim.SGD, lr=0.1)
+    (w,) = [w for w in caught if "holds every gradient" in str(w.message)]
+    said = str(w.message)
+    # the schedule's micro-batches hold the gradients, in both loops: its terms, not accumulation_steps' advice
+    assert said.startswith("a pipeline stage's InBackwardOptimizer holds every gradient") and (
+        f"the schedule's n_microbatches={MICRO_BATCHES} (a plain stage's gradients accumulate" in said
+        and "a fully_shard-ed stage" in said and "accumulation_steps" not in said
+        and "instead of accumulation" not in said), said
+    assert w.filename == __file__, w.filename  # the line that called pipeline_optimizers
+
+
+def test_a_plain_stage_names_the_schedules_micro_batches_as_what_holds_its_gradients(ranks):
+    ranks.run(2, _saving_in_schedule_terms)
 
 
 def _v_schedules_refused(ctx, schedule):

@@ -7,7 +7,10 @@ adapter gives the same causes in its own terms (``speak_as``) before the optimiz
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from dist_optim.engine._options import DEFAULT_BUCKET_CAP_MB, InBackwardOptions
@@ -42,6 +45,24 @@ ENGINE_TERMS: dict[str, tuple[str, str]] = {
 }
 
 
+# (who, terms, frames) of the optimizers built inside speaking_as: a builder whose own setting holds the gradients
+_SPEAKER: contextvars.ContextVar[tuple[str, dict[str, tuple[str, str]], int] | None] = contextvars.ContextVar(
+    "dist_optim_saving_speaker", default=None)
+
+
+@contextlib.contextmanager
+def speaking_as(who: str, terms: dict[str, tuple[str, str]], frames: int) -> Iterator[None]:
+    """Optimizers built inside name the causes in ``who``'s ``terms`` from their construction on: for a builder
+    that sets an engine option itself (``pipeline_optimizers`` sets ``accumulation_steps`` to the schedule's
+    micro-batches), where ``speak_as`` after construction would come after the warning. ``frames``: the builder's
+    own calls between the user's line and the optimizer's construction, which the warning points past."""
+    token = _SPEAKER.set((who, terms, frames))
+    try:
+        yield
+    finally:
+        _SPEAKER.reset(token)
+
+
 def _size(n: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
@@ -74,6 +95,13 @@ class SavingWatch:
     who: str = "InBackwardOptimizer"
     warned: set[str] = field(default_factory=set)
     accumulation: int | None = None  # a framework's accumulation, in place of the option's
+    frames: int = 0  # a builder's calls between the user's line and the optimizer's construction (speaking_as)
+
+    def __post_init__(self) -> None:
+        speaker = _SPEAKER.get()
+        if speaker is not None:
+            self.who, terms, self.frames = speaker
+            self.terms = {**ENGINE_TERMS, **terms}
 
     def speak_as(self, who: str, terms: dict[str, tuple[str, str]], accumulation: int) -> None:
         """Name the causes in a framework's terms (its settings in place of the engine's options), its
@@ -91,8 +119,9 @@ class SavingWatch:
         """Warn once about the causes of ``options`` not warned about before."""
         found = causes_of(options, model_bytes, self.accumulation)
         causes = {k: v for k, v in found.items() if k not in self.warned}
+        frames, self.frames = self.frames, 0  # the builder's frames stand between the user and the first check only
         if causes:
-            self._warn(causes, model_bytes, stacklevel + 1)
+            self._warn(causes, model_bytes, stacklevel + 1 + frames)
 
     def _warn(self, causes: dict[str, object], model_bytes: int, stacklevel: int) -> None:
         self.warned.update(causes)
