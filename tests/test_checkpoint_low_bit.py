@@ -8,9 +8,9 @@ ranks then run the same arithmetic, and a checkpoint carried between them must g
 Under FSDP2 each rank quantised its own shard; where the shards' blocks start where the whole parameter's do, the
 states are cut and joined between layouts (2 -> 1, 1 -> 2, 2 -> 4 FSDP2 ranks; compared also with torchao's own
 loop loaded the same way), and elsewhere refused, naming the sizes. There torchao's step runs eagerly
-(``torch.compiler.set_stance("force_eager")``, on both sides of every comparison): its compiled step under FSDP2
-kills the rank with SIGSEGV on this AMD EPYC (AdamW8bit in its own standard loop too, tests/test_third_party.py;
-AdamWFp8 in backward); eagerly the same code runs, and the checkpoint is what is under test.
+(``torch.compiler.set_stance("force_eager")``, on both sides of every comparison): its compiled step for a rank's
+empty shard kills the rank with SIGSEGV when inductor loads it from its on-disk cache (docs/optimizers.md); eagerly
+the same code runs, and the checkpoint is what is under test.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ import warnings
 import numpy
 import pytest
 import torch
-from dist_runner import RankDied
 from torch import nn
 
 import dist_optim
@@ -480,16 +479,6 @@ def _low_bit_models(ctx, path, wrapper, copies):
     return models
 
 
-def _low_bit_own_loop(ctx, path, wrapper):
-    """The class's own standard loop alone, on the same models: whether it runs here at all."""
-    cls, kwargs = _low_bit(path), {"lr": 1e-2, **LOW_BIT[path]}
-    (b,) = _low_bit_models(ctx, path, wrapper, 1)
-    ref = cls(b.parameters(), **kwargs)
-    b(torch.randn(4, 16)).square().mean().backward()
-    ref.step()
-    return "ran"
-
-
 def _low_bit_scenario(ctx, path, wrapper, eager=False):
     if eager:  # both loops run torchao's step uncompiled (public API), the same code on both sides
         with torch.compiler.set_stance("force_eager"):
@@ -539,18 +528,12 @@ def test_low_bit_states_under_ddp_and_fsdp2(ranks, path, wrapper):
         _low_bit(path)
     except ImportError as e:
         pytest.skip(str(e))
-    try:
-        results = ranks.run(2, _low_bit_scenario, path=path, wrapper=wrapper)
-    except RankDied as died:
-        # a rank killed by a signal: if the class's own loop alone kills it too (torchao's compiled step under
-        # FSDP2 segfaults on some CPUs, an AMD EPYC here), there is nothing of ours to compare compiled: compare
-        # both loops running the step eagerly instead
-        try:
-            ranks.run(2, _low_bit_own_loop, path=path, wrapper=wrapper)
-        except RankDied:
-            results = ranks.run(2, _low_bit_scenario, path=path, wrapper=wrapper, eager=True)
-        else:
-            raise died
+    # torchao's compiled step under FSDP2 runs eagerly, on both sides (the same code): the last Linear(16, 1) leaves
+    # rank 1 an empty shard, and a step compiled for it and loaded back from inductor's on-disk cache (a warm start:
+    # any run after the first on a machine) kills the rank with SIGSEGV, in torchao's own loop as in ours; a first
+    # compile runs (docs/optimizers.md)
+    eager = wrapper == "fsdp2" and path.startswith("torchao")
+    results = ranks.run(2, _low_bit_scenario, path=path, wrapper=wrapper, eager=eager)
     if all(r.startswith("own loop fails") for r in results):
         pytest.skip(results[0][:300])
     # a class whose step fails on the probe where it also fails in its own loop (torchao's compiled step where
