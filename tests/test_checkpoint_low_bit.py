@@ -7,10 +7,13 @@ here, so the gradient mean over 2 ranks is the gradient itself (g/2 + g/2 = g in
 ranks then run the same arithmetic, and a checkpoint carried between them must give bitwise the uninterrupted run.
 Under FSDP2 each rank quantised its own shard; where the shards' blocks start where the whole parameter's do, the
 states are cut and joined between layouts (2 -> 1, 1 -> 2, 2 -> 4 FSDP2 ranks; compared also with torchao's own
-loop loaded the same way), and elsewhere refused, naming the sizes. There torchao's step runs eagerly
-(``torch.compiler.set_stance("force_eager")``, on both sides of every comparison): its compiled step for a rank's
-empty shard kills the rank with SIGSEGV when inductor loads it from its on-disk cache (docs/optimizers.md); eagerly
-the same code runs, and the checkpoint is what is under test.
+loop loaded the same way), and elsewhere refused, naming the sizes.
+
+torchao's step runs eagerly in every test here (``torch.compiler.set_stance("force_eager")``, on both sides of every
+comparison): the checkpoint is what is under test, and eagerly the same code runs. Compiled, each parameter shape
+compiles anew (about 5 CPU-s each on a cold inductor cache: the first run on a machine, CI's every run), and under
+FSDP2 the step compiled for a rank's empty shard kills the rank with SIGSEGV when inductor loads it from its on-disk
+cache (docs/optimizers.md). tests/test_torchao_step.py holds the compiled step.
 """
 
 from __future__ import annotations
@@ -124,9 +127,15 @@ def _same_state(a, b) -> None:
                 assert u.dtype == v.dtype and torch.equal(*bits), k
 
 
+@pytest.fixture(autouse=True)
+def _eager_steps():
+    """torchao's step run eagerly in this process's tests (the module's docstring; ranks: ``_eager``)."""
+    with torch.compiler.set_stance("force_eager"):
+        yield
+
+
 def _own_loop_runs(path: str) -> None:
-    """Skip a class whose own standard loop cannot run on this machine (torchao's compiled step needs a compiler
-    inductor can use)."""
+    """Skip a class whose own standard loop cannot run on this machine."""
     model = _model()
     opt = _class(path)(model.parameters(), lr=LR, **CLASSES[path])
     try:
@@ -208,12 +217,9 @@ def test_an_async_save_holds_the_quantised_state_of_save_time(tmp_path):
 DDP_CLASSES = ["torchao.optim.AdamW8bit", "torchao.optim.AdamWFp8", "bitsandbytes.optim.Adam8bit"]
 
 
-def _eager_under_fsdp2(fn):
-    """torchao's compiled step crashes under FSDP2 here (see the module's docstring): run it eagerly there, and
-    wherever ``eager=True`` (the one-process side of a comparison with FSDP2)."""
-    def run(ctx, path: str, wrapper: str, eager: bool = False, **kwargs):
-        if wrapper != "fsdp2" and not eager:
-            return fn(ctx, path, wrapper, **kwargs)
+def _eager(fn):
+    """A rank's scenario with torchao's step run eagerly, as every test here runs it (the module's docstring)."""
+    def run(ctx, path: str, wrapper: str, **kwargs):
         with torch.compiler.set_stance("force_eager"):
             return fn(ctx, path, wrapper, **kwargs)
 
@@ -234,7 +240,7 @@ def _data(opt) -> list[dict[str, dict[str, torch.Tensor]]]:
     return [{k: _inner(v) for k, v in s.items() if isinstance(v, torch.Tensor) and k != "step"} for s in _states(opt)]
 
 
-@_eager_under_fsdp2
+@_eager
 def _uninterrupted(ctx, path: str, wrapper: str, tmp: str, shapes: str = "base") -> list[str]:
     """Train 2*HALF steps, saving at HALF (each rank also writes its states of that moment as plain tensors);
     rank 0 writes the final parameters."""
@@ -275,7 +281,7 @@ def _holds_slices_of(opt, whole: list[dict[str, dict[str, torch.Tensor]]], rank:
                 assert _same_bytes(t, saved[k][name].reshape(-1)[start // per:(start + n) // per]), (k, name)
 
 
-@_eager_under_fsdp2
+@_eager
 def _resume(ctx, path: str, wrapper: str, source: str, tmp: str, shapes: str = "base") -> list[str]:
     """Load ``ck_<source>`` into a fresh ``wrapper`` model (other initial weights), finish, compare bitwise. From a
     one-process checkpoint into FSDP2: each shard's state is first checked against the saved whole."""
@@ -334,7 +340,7 @@ def _joined(tmp: Path, wrapper: str, world: int) -> list[dict[str, dict[str, tor
     return out
 
 
-@_eager_under_fsdp2
+@_eager
 def _resume_beside_own_loop(ctx, path: str, wrapper: str, saved_by: str, saved_world: int, tmp: str,
                             uninterrupted: bool) -> list[str]:
     """Load ``ck_<saved_by>`` (written by ``saved_world`` ranks) into the in-backward optimizer and into torchao's
@@ -374,14 +380,14 @@ def test_fsdp2_2_ranks_resume_on_1_process_exactly(ranks, path, tmp_path):
     saved = ranks.run(2, _uninterrupted, path=path, wrapper="fsdp2", tmp=str(tmp_path), shapes="aligned")
     assert saved[0] == saved[1] and _quantised(saved[0]), saved
     assert _resume_beside_own_loop(None, path, "plain", saved_by="fsdp2", saved_world=2, tmp=str(tmp_path),
-                                   uninterrupted=True, eager=True) == saved[0]
+                                   uninterrupted=True) == saved[0]
 
 
 def test_1_process_resumes_on_fsdp2_2_ranks_exactly(ranks, tmp_path):
     """One process -> FSDP2 on 2 ranks: each rank's shard state is the saved whole's codes and scales from where
     the shard starts (not re-quantised); training on equals torchao's own loop and the one-process run that never
     stopped, bitwise."""
-    saved = _uninterrupted(None, FSDP2_CLASS, "plain", tmp=str(tmp_path), shapes="aligned", eager=True)
+    saved = _uninterrupted(None, FSDP2_CLASS, "plain", tmp=str(tmp_path), shapes="aligned")
     assert _quantised(saved), saved
     assert ranks.run(2, _resume_beside_own_loop, path=FSDP2_CLASS, wrapper="fsdp2", saved_by="plain", saved_world=1,
                      tmp=str(tmp_path), uninterrupted=True) == [saved, saved]
@@ -396,7 +402,7 @@ def test_fsdp2_2_ranks_resume_on_fsdp2_4_ranks_exactly(ranks, tmp_path):
                      tmp=str(tmp_path), uninterrupted=False) == [saved[0]] * 4
 
 
-@_eager_under_fsdp2
+@_eager
 def _refused_elsewhere(ctx, path: str, wrapper: str, tmp: str, shapes: str = "misaligned") -> str:
     """A load whose sharding cannot hold the saved states exactly: refused before the model or optimizer
     changes."""
@@ -418,7 +424,7 @@ def test_fsdp2_misaligned_shards_resume_on_their_world_size_only(ranks, tmp_path
     assert saved[0] != saved[1], saved  # the (31, 256) weight: quantised on rank 0, plain on rank 1 (see _model)
     assert ranks.run(2, _resume, path=FSDP2_CLASS, source="fsdp2", wrapper="fsdp2", tmp=str(tmp_path),
                      shapes="misaligned") == saved
-    message = _refused_elsewhere(None, FSDP2_CLASS, "plain", tmp=str(tmp_path), eager=True)
+    message = _refused_elsewhere(None, FSDP2_CLASS, "plain", tmp=str(tmp_path))
     assert "4 low-bit optimizer state(s) cannot be loaded exactly on this layout (1 rank(s)); nothing was loaded" \
         in message, message
     assert ("'exp_avg' of 4.weight (OptimState8bit, saved in per-rank shards by 2 rank(s), placements "
@@ -430,14 +436,14 @@ def test_fsdp2_misaligned_shards_resume_on_their_world_size_only(ranks, tmp_path
             "(plain)") in message, message
     assert ("load exactly under FSDP2 (Shard(0), a 1-D mesh) on 2 ranks (world sizes 1 to 8 checked)"
             in message), message
-    for m in ranks.run(2, _refused_elsewhere, path=FSDP2_CLASS, wrapper="ddp", tmp=str(tmp_path), eager=True):
+    for m in ranks.run(2, _refused_elsewhere, path=FSDP2_CLASS, wrapper="ddp", tmp=str(tmp_path)):
         assert "cannot be loaded exactly on this layout (2 rank(s))" in m and "the whole parameter: " in m, m
 
 
 def test_a_whole_state_into_misaligned_fsdp2_shards_is_refused(ranks, tmp_path):
     """One process -> FSDP2 on 2 ranks where a shard would be plain (the (31, 256) and (256, 31) weights): each
     such shard could only be de-quantised: refused, naming it; the one-process layout is the one that works."""
-    _uninterrupted(None, FSDP2_CLASS, "plain", tmp=str(tmp_path), shapes="misaligned", eager=True)
+    _uninterrupted(None, FSDP2_CLASS, "plain", tmp=str(tmp_path), shapes="misaligned")
     (tmp_path / "ck_plain").rename(tmp_path / "ck_fsdp2")
     for m in ranks.run(2, _refused_elsewhere, path=FSDP2_CLASS, wrapper="fsdp2", tmp=str(tmp_path)):
         assert ("'exp_avg' of 4.weight (OptimState8bit, saved whole by one process or DDP): rank 1's shard under "
@@ -451,17 +457,16 @@ def test_a_whole_state_into_misaligned_fsdp2_shards_is_refused(ranks, tmp_path):
 def test_a_state_quantised_in_other_blocks_is_refused(tmp_path):
     """A checkpoint of AdamW8bit's blocks of 256 into AdamW8bit(block_size=128): torchao would quantise in other
     blocks; holding the saved ones is not what it would hold. Refused, naming both sizes."""
-    with torch.compiler.set_stance("force_eager"):
-        model, opt = _build(FSDP2_CLASS, "plain", shapes="aligned")
-        _train(model, range(1))
-        save(tmp_path / "ck", model=model, optimizer=opt)
-        resumed = _model(seed=9, shapes="aligned")
-        other = dist_optim.InBackwardOptimizer(resumed, _class(FSDP2_CLASS), lr=LR, block_size=128)
-        before = _params(resumed)
-        with pytest.raises(CheckpointError, match=r"quantised in blocks of 256 elements and this optimizer quantises "
-                                                  r"in blocks of 128: build it with block_size=256"):
-            load(tmp_path / "ck", model=resumed, optimizer=other)
-        assert not other.state and all(torch.equal(a, b) for a, b in zip(before, _params(resumed), strict=True))
+    model, opt = _build(FSDP2_CLASS, "plain", shapes="aligned")
+    _train(model, range(1))
+    save(tmp_path / "ck", model=model, optimizer=opt)
+    resumed = _model(seed=9, shapes="aligned")
+    other = dist_optim.InBackwardOptimizer(resumed, _class(FSDP2_CLASS), lr=LR, block_size=128)
+    before = _params(resumed)
+    with pytest.raises(CheckpointError, match=r"quantised in blocks of 256 elements and this optimizer quantises "
+                                              r"in blocks of 128: build it with block_size=256"):
+        load(tmp_path / "ck", model=resumed, optimizer=other)
+    assert not other.state and all(torch.equal(a, b) for a, b in zip(before, _params(resumed), strict=True))
 
 
 def test_torchao_quantises_as_the_checkpoint_cuts():
