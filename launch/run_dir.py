@@ -76,6 +76,26 @@ def _changes(cfg: TrainConfig, path: pathlib.Path) -> list[str]:
             if k not in PROCESS_OPTIONS and k in old and old[k] != new[k]]
 
 
+def _refuse_another_runs_fresh_start(cfg: TrainConfig, manager: CheckpointManager) -> None:
+    """``--resume latest`` with no checkpoint starts fresh: a restart (torchrun ``--max-restarts``) before the first
+    checkpoint, with the run's own options. With other options it would be another job, replacing the run's
+    metrics.jsonl and config.json (a finished run that saved no checkpoint, resumed with its flags left out): refused,
+    naming them."""
+    recorded = pathlib.Path(cfg.run_dir) / "config.json"
+    if cfg.overwrite or not recorded.is_file():
+        return
+    old: dict[str, Any] = json.loads(recorded.read_text())
+    new = cfg.to_dict()
+    differ = [f"{_flag(k)} {old[k]} (now {new[k]})" for k in new
+              if k not in PROCESS_OPTIONS and k in old and old[k] != new[k]]
+    if differ:
+        raise LaunchError(
+            f"--resume latest: {manager.directory} holds no checkpoint, so this would start fresh, but "
+            f"{cfg.run_dir} holds a run with other options ({', '.join(differ)}), whose metrics.jsonl and config.json "
+            "a fresh start would replace: start it again with its options, train in another --run-dir, or pass "
+            "--overwrite")
+
+
 def _decide(cfg: TrainConfig, manager: CheckpointManager) -> tuple[Plan, list[pathlib.Path]]:
     """(the plan, the checkpoints to delete first); raises LaunchError."""
     found = manager.checkpoints()
@@ -88,6 +108,7 @@ def _decide(cfg: TrainConfig, manager: CheckpointManager) -> tuple[Plan, list[pa
         return Plan(None), found
     path = _target(cfg, manager)
     if path is None:
+        _refuse_another_runs_fresh_start(cfg, manager)
         return Plan(None), []
     step = int(path.name.split("_")[1]) if _STEP.fullmatch(path.name) else -1
     later = [p for p in found if int(p.name.split("_")[1]) > step] if path.parent == manager.directory else []

@@ -578,6 +578,22 @@ def test_resume_without_the_shape_flags_reads_them_from_the_run(tmp_path):
     assert "the checkpoint's model has --n-layer 2 (now 3)" in out.stderr
 
 
+def test_resume_latest_without_a_checkpoint_restarts_the_run_and_never_replaces_another(tmp_path):
+    """A run that saved no checkpoint: ``--resume latest`` with its options starts it again (torchrun's restart before
+    the first checkpoint); with its flags left out it would be another job over the run's metrics: refused, naming
+    the options, nothing written."""
+    _train(tmp_path, "r", "--steps", "2", "--warmup-steps", "0")
+    held = {name: (tmp_path / "r" / name).read_text() for name in ("metrics.jsonl", "config.json")}
+    err = _main(["--run-dir", str(tmp_path / "r"), "--resume", "latest"], expect=2).stderr
+    assert err.startswith(f"launch.train: error: --resume latest: {tmp_path / 'r' / 'checkpoints'} holds no "
+                          "checkpoint, so this would start fresh, but") and len(err.splitlines()) == 1, err
+    assert "--steps 2 (now 200)" in err and "--batch-size 8 (now 16)" in err and "pass --overwrite" in err
+    assert {name: (tmp_path / "r" / name).read_text() for name in held} == held
+    out = _train(tmp_path, "r", "--steps", "2", "--warmup-steps", "0", "--resume", "latest")
+    assert "no checkpoint in" in out.stderr and "starting fresh" in out.stderr
+    assert _losses(tmp_path, "r") == [json.loads(line)["loss"] for line in held["metrics.jsonl"].splitlines()]
+
+
 def test_compare_into_a_training_runs_directory_is_refused_before_anything_is_written(tmp_path, capsys):
     _train(tmp_path, "r", "--steps", "2", "--warmup-steps", "0")
     config = (tmp_path / "r" / "config.json").read_text()
