@@ -78,22 +78,29 @@ def _changes(cfg: TrainConfig, path: pathlib.Path) -> list[str]:
 
 def _refuse_another_runs_fresh_start(cfg: TrainConfig, manager: CheckpointManager) -> None:
     """``--resume latest`` with no checkpoint starts fresh: a restart (torchrun ``--max-restarts``) before the first
-    checkpoint, with the run's own options. With other options it would be another job, replacing the run's
-    metrics.jsonl and config.json (a finished run that saved no checkpoint, resumed with its flags left out): refused,
-    naming them."""
-    recorded = pathlib.Path(cfg.run_dir) / "config.json"
-    if cfg.overwrite or not recorded.is_file():
+    checkpoint, with the run's own options. A run that finished without a checkpoint has nothing to resume, and other
+    options would make another job: either would replace the run's metrics.jsonl and config.json, and is refused."""
+    run_dir = pathlib.Path(cfg.run_dir)
+    if cfg.overwrite or not (run_dir / "config.json").is_file():
         return
-    old: dict[str, Any] = json.loads(recorded.read_text())
+    old: dict[str, Any] = json.loads((run_dir / "config.json").read_text())
     new = cfg.to_dict()
     differ = [f"{_flag(k)} {old[k]} (now {new[k]})" for k in new
               if k not in PROCESS_OPTIONS and k in old and old[k] != new[k]]
     if differ:
         raise LaunchError(
             f"--resume latest: {manager.directory} holds no checkpoint, so this would start fresh, but "
-            f"{cfg.run_dir} holds a run with other options ({', '.join(differ)}), whose metrics.jsonl and config.json "
+            f"{run_dir} holds a run with other options ({', '.join(differ)}), whose metrics.jsonl and config.json "
             "a fresh start would replace: start it again with its options, train in another --run-dir, or pass "
             "--overwrite")
+    metrics = run_dir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    last = json.loads(lines[-1]).get("step", -1) if lines else -1
+    if last >= old.get("steps", 0) - 1 >= 0:
+        raise LaunchError(
+            f"--resume latest: the run in {run_dir} finished (step {last}, the last of --steps {old['steps']}) "
+            f"without saving a checkpoint, so there is nothing to resume: train on in another --run-dir, or pass "
+            "--overwrite to run it again (--checkpoint-every N saves checkpoints)")
 
 
 def _decide(cfg: TrainConfig, manager: CheckpointManager) -> tuple[Plan, list[pathlib.Path]]:

@@ -240,7 +240,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     _suggest_flags(parser, sys.argv[1:] if argv is None else argv)
     ns = parser.parse_args(argv)
     if ns.resume is not None:
-        _resumed_shape(ns, _given(sys.argv[1:] if argv is None else argv))
+        _resumed_options(ns, _given(sys.argv[1:] if argv is None else argv))
     if ns.warmup_steps >= ns.steps >= 1:
         # the whole run would warm up, lr never reaching --lr: the warm-up fitted to the run (the same on a resume)
         fitted = ns.steps // 10
@@ -267,7 +267,10 @@ def _suggest_flags(parser: argparse.ArgumentParser, argv: list[str]) -> None:
             parser.error(f"unrecognized argument {flag}: did you mean {close[0]}?")
 
 
-RESUMED = (*MODEL_SHAPE, "optimizer")  # what a resume takes from the run's config.json unless given again
+# options of one launch, not of the run it trains: a resume takes every other option from the run's config.json
+# unless the command line gives it again (the layout follows the processes this launch has)
+LAUNCH_OPTIONS = ("stop_after", "device", "threads", "parallel", "pp_stages", "tp_size", "run_dir", "resume",
+                  "overwrite", "compare", "profile_step", "plan", "nproc", "fit", "memory", "allow", "json")
 
 
 def _given(argv: list[str]) -> set[str]:
@@ -278,14 +281,15 @@ def _given(argv: list[str]) -> set[str]:
     return set(vars(quiet.parse_args(argv)))
 
 
-def _resumed_shape(ns: argparse.Namespace, given: set[str]) -> None:
-    """A resume trains the model the run built: its shape and optimizer are read from RUN_DIR/config.json, where
-    the command line does not give them (those it gives are compared with the checkpoint's, which refuses a
-    change)."""
+def _resumed_options(ns: argparse.Namespace, given: set[str]) -> None:
+    """A resume continues the run: its model's shape, its optimizer and its training options (steps, batches, the
+    schedule, checkpointing, logging) are read from RUN_DIR/config.json where the command line does not give them;
+    those it gives are applied from the resumed step on (a shape or optimizer given is compared with the
+    checkpoint's, which refuses a change). ``--resume latest`` alone continues what Ctrl-C or SIGTERM stopped."""
     recorded = pathlib.Path(ns.run_dir) / "config.json"
     if not recorded.is_file():
         return
     old = json.loads(recorded.read_text())
-    for key in RESUMED:
-        if key not in given and key in old:
-            setattr(ns, key, old[key])
+    for key, value in old.items():
+        if key not in given and key not in LAUNCH_OPTIONS and hasattr(ns, key):
+            setattr(ns, key, value)

@@ -573,23 +573,33 @@ def test_resume_without_the_shape_flags_reads_them_from_the_run(tmp_path):
     rest = [a for i, a in enumerate(TINY) if a not in shape and (i == 0 or TINY[i - 1] not in shape)]
     out = _main([*rest, "--run-dir", str(tmp_path / "part"), "--resume", "latest"])
     assert "resumed from" in out.stderr and "options changed" not in out.stderr
+    # no flag but this launch's: the run's options, from its config.json; Ctrl-C's "continue with --resume latest"
+    _train(tmp_path, "again", "--stop-after", "2")
+    out = _main(["--threads", "1", "--run-dir", str(tmp_path / "again"), "--resume", "latest"])
+    assert "resumed from" in out.stderr and "options changed" not in out.stderr
+    assert _losses(tmp_path, "again") == _losses(tmp_path, "full")
     assert _losses(tmp_path, "part") == _losses(tmp_path, "full")
     out = _train(tmp_path, "part", "--resume", "latest", "--n-layer", "3", expect=2)  # a shape given is compared
     assert "the checkpoint's model has --n-layer 2 (now 3)" in out.stderr
 
 
 def test_resume_latest_without_a_checkpoint_restarts_the_run_and_never_replaces_another(tmp_path):
-    """A run that saved no checkpoint: ``--resume latest`` with its options starts it again (torchrun's restart before
-    the first checkpoint); with its flags left out it would be another job over the run's metrics: refused, naming
-    the options, nothing written."""
+    """A run that saved no checkpoint: ``--resume latest`` restarts it only where it did not finish (torchrun's
+    restart before the first checkpoint), with its own options; a finished one has nothing to resume, and other
+    options would be another job over the run's metrics: each refused in one line, nothing written."""
     _train(tmp_path, "r", "--steps", "2", "--warmup-steps", "0")
     held = {name: (tmp_path / "r" / name).read_text() for name in ("metrics.jsonl", "config.json")}
-    err = _main(["--run-dir", str(tmp_path / "r"), "--resume", "latest"], expect=2).stderr
+    resume = ["--threads", "1", "--run-dir", str(tmp_path / "r"), "--resume", "latest"]
+    err = _main(resume, expect=2).stderr
+    assert err.startswith(f"launch.train: error: --resume latest: the run in {tmp_path / 'r'} finished (step 1, "
+                          "the last of --steps 2) without saving a checkpoint") and len(err.splitlines()) == 1, err
+    err = _main([*resume, "--batch-size", "4"], expect=2).stderr
     assert err.startswith(f"launch.train: error: --resume latest: {tmp_path / 'r' / 'checkpoints'} holds no "
                           "checkpoint, so this would start fresh, but") and len(err.splitlines()) == 1, err
-    assert "--steps 2 (now 200)" in err and "--batch-size 8 (now 16)" in err and "pass --overwrite" in err
+    assert "--batch-size 8 (now 4)" in err and "pass --overwrite" in err
     assert {name: (tmp_path / "r" / name).read_text() for name in held} == held
-    out = _train(tmp_path, "r", "--steps", "2", "--warmup-steps", "0", "--resume", "latest")
+    (tmp_path / "r" / "metrics.jsonl").write_text(held["metrics.jsonl"].splitlines()[0] + "\n")  # died after step 0
+    out = _main(resume)
     assert "no checkpoint in" in out.stderr and "starting fresh" in out.stderr
     assert _losses(tmp_path, "r") == [json.loads(line)["loss"] for line in held["metrics.jsonl"].splitlines()]
 
