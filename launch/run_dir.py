@@ -72,8 +72,12 @@ def _changes(cfg: TrainConfig, path: pathlib.Path) -> list[str]:
     if was != new["optimizer"]:
         raise LaunchError(f"the checkpoint's optimizer states are --optimizer {was}'s (now {new['optimizer']}): a "
                           "resume keeps the optimizer; drop --optimizer, or start a fresh run in another --run-dir")
-    return [f"{_flag(k)} {old[k]} -> {new[k]}" for k in new
-            if k not in PROCESS_OPTIONS and k in old and old[k] != new[k]]
+    return [f"{_flag(k)} {old[k]} -> {new[k]}" for k in _differing(old, new)]
+
+
+def _differing(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The options of the training (not of one process run) whose values differ between two configs."""
+    return [k for k in new if k not in PROCESS_OPTIONS and k in old and old[k] != new[k]]
 
 
 def _refuse_another_runs_fresh_start(cfg: TrainConfig, manager: CheckpointManager) -> None:
@@ -85,8 +89,7 @@ def _refuse_another_runs_fresh_start(cfg: TrainConfig, manager: CheckpointManage
         return
     old: dict[str, Any] = json.loads((run_dir / "config.json").read_text())
     new = cfg.to_dict()
-    differ = [f"{_flag(k)} {old[k]} (now {new[k]})" for k in new
-              if k not in PROCESS_OPTIONS and k in old and old[k] != new[k]]
+    differ = [f"{_flag(k)} {old[k]} (now {new[k]})" for k in _differing(old, new)]
     if differ:
         raise LaunchError(
             f"--resume latest: {manager.directory} holds no checkpoint, so this would start fresh, but "

@@ -69,11 +69,11 @@ Options that change the training loop:
   RUN_DIR/checkpoints and resume on any number of processes; a resumed run gives the losses of an uninterrupted one.
   A resume takes the run's options from RUN_DIR/config.json (all but those of the launch: ``--parallel``,
   ``--threads``, ``--stop-after`` ...), keeps the model's shape (changing ``--n-embd`` etc. is refused) and applies
-  every other option given (``--lr``, the schedule, clipping, batches), logging what changed. A fresh run into a directory that holds
-  checkpoints is refused, as is a resume from a checkpoint older than the directory's latest: ``--overwrite``
-  deletes the checkpoints such a run would write over. ``--resume latest`` where no checkpoint was saved yet starts
-  the run again (a restart before the first checkpoint); a run that finished without one, or other options, which
-  would replace that run's metrics, are refused.
+  every other option given (``--lr``, the schedule, clipping, batches), logging what changed. A fresh run into a
+  directory that holds checkpoints is refused, as is a resume from a checkpoint older than the directory's latest:
+  ``--overwrite`` deletes the checkpoints such a run would write over. ``--resume latest`` where no checkpoint was
+  saved yet starts the run again (a restart before the first checkpoint); a run that finished without one, or
+  other options, which would replace that run's metrics, are refused.
 - SIGTERM (what a scheduler sends before it kills a job): every rank stops after the same step, saves a checkpoint
   and exits with code 0; ``--resume latest`` continues exactly.
 - ``--plan``: plan the job's memory instead of running it: both loops' peaks per rank, their split and the saving,
