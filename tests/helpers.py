@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 from collections.abc import Callable
 
 import torch
@@ -112,3 +114,24 @@ def run_benchmark_quick(name: str, tmp_path, *args: str) -> tuple[dict, str]:
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stderr
+
+
+# -- torchao's compiled step, where it is not what a test is about --------------------------------------------------
+# torchao's Adam classes compile their per-tensor step (inductor, one graph for each parameter shape, dtype and
+# hyper-parameter set: 2-5 CPU-s each on a cold inductor cache, which is CI's every run). tests/test_torchao_step.py,
+# the trainer's --optimizer adamw8bit test and the planner's low-bit row run it compiled, as users do; the tests
+# whose subject is something else (a checkpoint, a wrapper, the third-party matrix) run it eagerly on both sides of
+# each comparison: the same code, uncompiled.
+def eager_compile() -> contextlib.AbstractContextManager[None]:
+    """``torch.compile``-d functions run eagerly inside it (``torch.compiler.set_stance("force_eager")``)."""
+    return torch.compiler.set_stance("force_eager")
+
+
+def eagerly(scenario: Callable) -> Callable:
+    """A rank's scenario (``ranks.run``) run under :func:`eager_compile` in its rank's process."""
+    @functools.wraps(scenario)
+    def run(*args, **kwargs):
+        with eager_compile():
+            return scenario(*args, **kwargs)
+
+    return run

@@ -9,7 +9,7 @@ Under FSDP2 each rank quantised its own shard; where the shards' blocks start wh
 states are cut and joined between layouts (2 -> 1, 1 -> 2, 2 -> 4 FSDP2 ranks; compared also with torchao's own
 loop loaded the same way), and elsewhere refused, naming the sizes.
 
-torchao's step runs eagerly in every test here (``torch.compiler.set_stance("force_eager")``, on both sides of every
+torchao's step runs eagerly in every test here (``helpers.eager_compile``, on both sides of every
 comparison): the checkpoint is what is under test, and eagerly the same code runs. Compiled, each parameter shape
 compiles anew (about 5 CPU-s each on a cold inductor cache: the first run on a machine, CI's every run), and under
 FSDP2 the step compiled for a rank's empty shard kills the rank with SIGSEGV when inductor loads it from its on-disk
@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import eager_compile, eagerly
 from torch import nn
 
 import dist_optim
@@ -129,8 +130,8 @@ def _same_state(a, b) -> None:
 
 @pytest.fixture(autouse=True)
 def _eager_steps():
-    """torchao's step run eagerly in this process's tests (the module's docstring; ranks: ``_eager``)."""
-    with torch.compiler.set_stance("force_eager"):
+    """torchao's step run eagerly in this process's tests (the module's docstring; ranks: ``eagerly``)."""
+    with eager_compile():
         yield
 
 
@@ -217,16 +218,6 @@ def test_an_async_save_holds_the_quantised_state_of_save_time(tmp_path):
 DDP_CLASSES = ["torchao.optim.AdamW8bit", "torchao.optim.AdamWFp8", "bitsandbytes.optim.Adam8bit"]
 
 
-def _eager(fn):
-    """A rank's scenario with torchao's step run eagerly, as every test here runs it (the module's docstring)."""
-    def run(ctx, path: str, wrapper: str, **kwargs):
-        with torch.compiler.set_stance("force_eager"):
-            return fn(ctx, path, wrapper, **kwargs)
-
-    run.__name__ = run.__qualname__ = fn.__name__
-    return run
-
-
 def _inner(v) -> dict[str, torch.Tensor]:
     """A state's data as plain tensors: a torchao state's codes, scale (and lookup table), else the tensor."""
     v = _local(v)
@@ -240,7 +231,7 @@ def _data(opt) -> list[dict[str, dict[str, torch.Tensor]]]:
     return [{k: _inner(v) for k, v in s.items() if isinstance(v, torch.Tensor) and k != "step"} for s in _states(opt)]
 
 
-@_eager
+@eagerly
 def _uninterrupted(ctx, path: str, wrapper: str, tmp: str, shapes: str = "base") -> list[str]:
     """Train 2*HALF steps, saving at HALF (each rank also writes its states of that moment as plain tensors);
     rank 0 writes the final parameters."""
@@ -281,7 +272,7 @@ def _holds_slices_of(opt, whole: list[dict[str, dict[str, torch.Tensor]]], rank:
                 assert _same_bytes(t, saved[k][name].reshape(-1)[start // per:(start + n) // per]), (k, name)
 
 
-@_eager
+@eagerly
 def _resume(ctx, path: str, wrapper: str, source: str, tmp: str, shapes: str = "base") -> list[str]:
     """Load ``ck_<source>`` into a fresh ``wrapper`` model (other initial weights), finish, compare bitwise. From a
     one-process checkpoint into FSDP2: each shard's state is first checked against the saved whole."""
@@ -340,7 +331,7 @@ def _joined(tmp: Path, wrapper: str, world: int) -> list[dict[str, dict[str, tor
     return out
 
 
-@_eager
+@eagerly
 def _resume_beside_own_loop(ctx, path: str, wrapper: str, saved_by: str, saved_world: int, tmp: str,
                             uninterrupted: bool) -> list[str]:
     """Load ``ck_<saved_by>`` (written by ``saved_world`` ranks) into the in-backward optimizer and into torchao's
@@ -402,7 +393,7 @@ def test_fsdp2_2_ranks_resume_on_fsdp2_4_ranks_exactly(ranks, tmp_path):
                      tmp=str(tmp_path), uninterrupted=False) == [saved[0]] * 4
 
 
-@_eager
+@eagerly
 def _refused_elsewhere(ctx, path: str, wrapper: str, tmp: str, shapes: str = "misaligned") -> str:
     """A load whose sharding cannot hold the saved states exactly: refused before the model or optimizer
     changes."""

@@ -6,10 +6,16 @@ Each class trains a small model (an embedding, Linear layers, a LayerNorm) with 
 bucket, several buckets and per parameter, with the class's own kernel defaults on both sides (the same code runs
 on both: bitwise). A refusal must be a ``NotImplementedError`` (or the class's own construction error, which the
 standard loop raises too) and leave the parameters and torch's random stream as they were.
+
+torchao's classes run their step eagerly here, on both sides of each comparison (``helpers.eager_compile``): what
+is checked is how the class steps in backward, and eagerly the same code runs. Compiled, every parameter shape of
+every class compiles anew on a cold inductor cache (CI's every run); tests/test_torchao_step.py runs the compiled
+step in buckets against torchao's own compiled loop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import inspect
@@ -21,6 +27,7 @@ import warnings
 import numpy
 import pytest
 import torch
+from helpers import eager_compile, eagerly
 from torch import nn
 
 import dist_optim
@@ -307,7 +314,8 @@ def _check_class(key: str, cls, mode: str) -> str:
 def test_exact_or_refused(key, cls, mode):
     if key in NOT_CONSTRUCTED:
         pytest.skip(NOT_CONSTRUCTED[key])
-    _check_class(key, cls, mode)
+    with eager_compile() if key.startswith("torchao.") else contextlib.nullcontext():  # the module's docstring
+        _check_class(key, cls, mode)
 
 
 # -- the rule, on classes written here (no package needed) --------------------------------------------------------
@@ -479,10 +487,8 @@ def _low_bit_models(ctx, path, wrapper, copies):
     return models
 
 
-def _low_bit_scenario(ctx, path, wrapper, eager=False):
-    if eager:  # both loops run torchao's step uncompiled (public API), the same code on both sides
-        with torch.compiler.set_stance("force_eager"):
-            return _low_bit_scenario(ctx, path, wrapper)
+@eagerly  # torchao's step uncompiled on both sides (the module's docstring)
+def _low_bit_scenario(ctx, path, wrapper):
     cls, kwargs = _low_bit(path), {"lr": 1e-2, **LOW_BIT[path]}
     a, b = _low_bit_models(ctx, path, wrapper, 2)
     options = {"bucket_cap_mb": 1e-3} if wrapper == "ddp" else {}
@@ -528,12 +534,7 @@ def test_low_bit_states_under_ddp_and_fsdp2(ranks, path, wrapper):
         _low_bit(path)
     except ImportError as e:
         pytest.skip(str(e))
-    # torchao's compiled step under FSDP2 runs eagerly, on both sides (the same code): the last Linear(16, 1) leaves
-    # rank 1 an empty shard, and a step compiled for it and loaded back from inductor's on-disk cache (a warm start:
-    # any run after the first on a machine) kills the rank with SIGSEGV, in torchao's own loop as in ours; a first
-    # compile runs (docs/optimizers.md)
-    eager = wrapper == "fsdp2" and path.startswith("torchao")
-    results = ranks.run(2, _low_bit_scenario, path=path, wrapper=wrapper, eager=eager)
+    results = ranks.run(2, _low_bit_scenario, path=path, wrapper=wrapper)
     if all(r.startswith("own loop fails") for r in results):
         pytest.skip(results[0][:300])
     # a class whose step fails on the probe where it also fails in its own loop (torchao's compiled step where
