@@ -8,7 +8,8 @@ Rows: a ResNet (convolutions and BatchNorm; fp32 and bf16 parameters; 64 channel
 set the peak, and 16 at batch 32, where the activations do), ``nn.TransformerEncoder``
 (its layers built by ``copy.deepcopy``), a mixture of experts whose experts run on a fixed share of the tokens
 (routing by top-k without data-dependent shapes), and the GPT stepped by the low-bit classes (torchao ``AdamW8bit``,
-``AdamW4bit``, bitsandbytes ``AdamW8bit``: planned from their own state, ``dist_optim._planner._lowbit``), each
+``AdamW4bit``, bitsandbytes ``AdamW8bit``: planned from their own state, ``dist_optim._planner._lowbit``; torchao's
+``AdamW8bit`` also on 4 Linear layers of one shape, which its compiled step compiles once), each
 measured as ``bench_plan`` measures (the planner's own ``Job``, warm, the allocator's peak of one step). The low-bit
 rows also print each class's step temporaries per element (``STEP_BYTES``), measured on one parameter.
 """
@@ -119,6 +120,15 @@ def encoder(batch: int = 2, seq: int = 32, dim: int = 256) -> tuple[Any, Any, An
     return model_fn, batch_fn, lambda model, x: model(x).square().mean()
 
 
+def mlp(batch: int = 8, dim: int = 512, depth: int = 4) -> tuple[Any, Any, Any]:
+    """``depth`` Linear(dim, dim) + Tanh: two parameter shapes, so a compiled low-bit step (torchao's, one graph per
+    shape) compiles twice, where the GPT's take ten."""
+    def model_fn() -> nn.Module:
+        return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(dim, dim), nn.Tanh())])
+
+    return model_fn, lambda: torch.randn(batch, dim), lambda model, x: model(x).square().mean()
+
+
 def moe(batch: int = 2, seq: int = 32, dtype: torch.dtype = torch.float32) -> tuple[Any, Any, Any]:
     def batch_fn() -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randint(0, 256, (batch, seq)), torch.randint(0, 256, (batch, seq))
@@ -154,6 +164,7 @@ ROWS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "GPT, torchao AdamW4bit": (lambda: _builders(GPT), ("torchao.AdamW4bit", {"lr": 1e-3}), {"bucket_cap_mb": 0.5}),
     "GPT, bitsandbytes AdamW8bit": (lambda: _builders(GPT), ("bitsandbytes.AdamW8bit", {"lr": 1e-3}),
                                     {"bucket_cap_mb": 0.5}),
+    "MLP, torchao AdamW8bit": (mlp, ("torchao.AdamW8bit", {"lr": 1e-3}), {"bucket_cap_mb": 0.5}),
 }
 QUICK = ("resnet-64, fp32, batch 2, AdamW", "TransformerEncoder, fp32", "MoE, fp32", "GPT, torchao AdamW8bit")
 

@@ -29,13 +29,15 @@ def test_a_model_planned_agrees_with_its_real_step(label):
         assert res["saving"]["measured"] > 2**20  # the gradients set the peak: a saving to agree with
 
 
-# AdamW4bit's real run (another 30 s of torchao compiling every shape) is in the benchmark; its state is checked below
-@pytest.mark.parametrize("name", ["torchao.AdamW8bit", "bitsandbytes.AdamW8bit"])
-def test_a_low_bit_optimizer_is_planned_from_its_state_and_agrees_with_its_real_step(name):
+# torchao compiles its step once per parameter shape (2-5 CPU-s each on a cold inductor cache): its AdamW8bit is
+# measured on the row of two shapes (the GPT's ten, and AdamW4bit's, are in the benchmark; its state is checked below)
+@pytest.mark.parametrize("label", ["MLP, torchao AdamW8bit", "GPT, bitsandbytes AdamW8bit"])
+def test_a_low_bit_optimizer_is_planned_from_its_state_and_agrees_with_its_real_step(label):
+    name = ".".join(label.split(", ")[1].split())
     pytest.importorskip(name.split(".")[0])
     cls = bench.low_bit(name)
     assert not _lowbit.steps_on_fake(cls)  # its step would kill the process (torchao) or read addresses (bnb)
-    res = bench.row(next(k for k in bench.ROWS if k.endswith(name.replace(".", " "))))
+    res = bench.row(label)
     _assert_agrees(res)
     assert res["saving"]["measured"] > 2**20
     assert any(f"{cls.__name__}'s step, which cannot run on fake tensors" in x for x in res["not_seen"])
