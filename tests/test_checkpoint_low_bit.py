@@ -9,11 +9,11 @@ Under FSDP2 each rank quantised its own shard; where the shards' blocks start wh
 states are cut and joined between layouts (2 -> 1, 1 -> 2, 2 -> 4 FSDP2 ranks; compared also with torchao's own
 loop loaded the same way), and elsewhere refused, naming the sizes.
 
-torchao's step runs eagerly in every test here (``helpers.eager_compile``, on both sides of every
-comparison): the checkpoint is what is under test, and eagerly the same code runs. Compiled, each parameter shape
-compiles anew (about 5 CPU-s each on a cold inductor cache: the first run on a machine, CI's every run), and under
-FSDP2 the step compiled for a rank's empty shard kills the rank with SIGSEGV when inductor loads it from its on-disk
-cache (docs/optimizers.md). tests/test_torchao_step.py holds the compiled step.
+torchao's step runs eagerly in every test here (``helpers.eager_compile``, on both sides of every comparison): the
+checkpoint is what is under test, and eagerly the same code runs. Compiled, each parameter shape compiles anew
+(about 5 CPU-s each on a cold inductor cache: the first run on a machine, CI's every run), and under FSDP2 the step
+compiled for a rank's empty shard kills the rank with SIGSEGV when inductor loads it from its on-disk cache
+(docs/optimizers.md). tests/test_torchao_step.py holds the compiled step.
 """
 
 from __future__ import annotations

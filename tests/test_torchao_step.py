@@ -35,7 +35,8 @@ MODES = {
     "buckets": {"bucket_cap_mb": 1e-4},  # each autograd node's gradients a bucket of their own
     "per_parameter": {"per_parameter": True},
 }
-KWARGS = {"lr": 1e-2, "weight_decay": 0.01}  # as benchmarks/bench_bytes_per_param.py: one compiled graph a shape for both
+# weight decay as benchmarks/bench_bytes_per_param.py and test_reordered_draws.py: one compiled graph a shape for all
+KWARGS = {"lr": 1e-2, "weight_decay": 0.01}
 STEPS = 4
 
 
