@@ -26,10 +26,13 @@ __all__ = ["MODEL_SHAPE", "PROCESS_OPTIONS", "TrainConfig", "parse_config"]
 
 # the options a checkpoint's tensors are shaped by: a resumed run cannot change them
 MODEL_SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "tie_weights", "param_dtype")
-# options of one process run, not of the training: a resume may change them without notice
-PROCESS_OPTIONS = ("stop_after", "device", "threads", "parallel", "pp_stages", "tp_size", "run_dir", "log_every",
-                   "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "compare", "profile_step", "plan",
-                   "nproc", "tensorboard", "wandb", "fit", "memory", "allow", "json")
+# options of one launch, not of the run it trains: a resume takes every other option from the run's config.json
+# unless the command line gives it again (the layout follows the processes this launch has)
+LAUNCH_OPTIONS = ("stop_after", "device", "threads", "parallel", "pp_stages", "tp_size", "run_dir", "resume",
+                  "overwrite", "compare", "profile_step", "plan", "nproc", "fit", "memory", "allow", "json")
+# options that are not the training's: a resume may change them without notice (the launch's, and how the run
+# reports and checkpoints)
+PROCESS_OPTIONS = (*LAUNCH_OPTIONS, "log_every", "checkpoint_every", "keep_checkpoints", "tensorboard", "wandb")
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -265,12 +268,6 @@ def _suggest_flags(parser: argparse.ArgumentParser, argv: list[str]) -> None:
         close = difflib.get_close_matches(flag.replace("_", "-"), known, n=1, cutoff=0.8)
         if close:
             parser.error(f"unrecognized argument {flag}: did you mean {close[0]}?")
-
-
-# options of one launch, not of the run it trains: a resume takes every other option from the run's config.json
-# unless the command line gives it again (the layout follows the processes this launch has)
-LAUNCH_OPTIONS = ("stop_after", "device", "threads", "parallel", "pp_stages", "tp_size", "run_dir", "resume",
-                  "overwrite", "compare", "profile_step", "plan", "nproc", "fit", "memory", "allow", "json")
 
 
 def _given(argv: list[str]) -> set[str]:
